@@ -1,0 +1,94 @@
+"""``RunTelemetry``: the run's identity as hyperparameters, per-group learning rates, gradient norm,
+throughput, and a ``DONE`` marker when fit finishes (what ``compare`` and ``study`` read)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_only
+
+from lightning_async.callbacks.delay import DelaySimulation, ErrorFeedback, _is_pipeline
+
+
+def run_identity(trainer: Trainer, pl_module: LightningModule) -> dict:
+    """``optimizer``, ``mode``, ``ef_strength``, ``delay``, ``seed``, ``lr`` of this run."""
+    hparams = dict(getattr(pl_module, "hparams", {}) or {})
+    delay = max((cb.delay for cb in trainer.callbacks if isinstance(cb, DelaySimulation)), default=0)
+    ef = max((cb.strength for cb in trainer.callbacks if isinstance(cb, ErrorFeedback)), default=0.0)
+    if _is_pipeline(trainer):
+        asynchronous = trainer.strategy.schedule == "2bw"
+        mode, delay = ("async_pipe", 1) if asynchronous else ("sync_pipe", 0)
+    else:
+        mode = "delayed" if delay else "sync"
+    seed = os.environ.get("PL_GLOBAL_SEED")
+    return {
+        "optimizer": hparams.get("optimizer", "custom"),
+        "mode": mode,
+        "ef_strength": float(ef if (delay or mode == "async_pipe") else 0.0),
+        "delay": int(delay),
+        "seed": int(seed) if seed is not None else None,
+        "lr": hparams.get("lr"),
+    }
+
+
+def _group_name(group: dict, index: int) -> str:
+    return str(group.get("name", f"group{index}"))
+
+
+class RunTelemetry(Callback):
+    """Logs ``lr/<group>``, ``train/grad_norm`` (before clipping), ``train/tokens_per_sec``; writes ``DONE``."""
+
+    def __init__(self, log_every_n_steps: int | None = None) -> None:
+        self.log_every_n_steps = log_every_n_steps
+        self._last_time: float | None = None
+        self.identity: dict = {}
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.identity = run_identity(trainer, pl_module)
+        for logger in trainer.loggers:
+            logger.log_hyperparams(self.identity)
+        self._last_time = None
+
+    def _every(self, trainer: Trainer) -> bool:
+        n = self.log_every_n_steps or trainer.log_every_n_steps
+        return trainer.global_step % max(1, n) == 0
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer) -> None:
+        if not self._every(trainer):
+            return
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        if grads:
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+            pl_module.log("train/grad_norm", norm)
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
+        now = time.perf_counter()
+        if self._last_time is not None and isinstance(batch, torch.Tensor) and self._every(trainer):
+            replicas = getattr(trainer.strategy, "data_parallel_size", trainer.world_size)
+            tokens = batch.shape[0] * max(1, batch.shape[-1] - 1) * replicas
+            pl_module.log("train/tokens_per_sec", tokens / max(now - self._last_time, 1e-9))
+        self._last_time = now
+        if self._every(trainer) and trainer.optimizers:
+            try:
+                from lightning_async.optim.zoo import effective_learning_rates
+
+                rates = effective_learning_rates(trainer.optimizers[0])
+            except Exception:  # a user's optimizer the zoo does not know
+                rates = {_group_name(g, i): g["lr"] for i, g in enumerate(trainer.optimizers[0].param_groups)}
+            for name, lr in rates.items():
+                pl_module.log(f"lr/{name}", float(lr))
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._last_time = None  # do not count validation time as training throughput
+
+    @rank_zero_only
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        log_dir = trainer.logger.log_dir if trainer.logger is not None else None  # no logger, no run directory
+        if log_dir and not trainer.interrupted:
+            os.makedirs(log_dir, exist_ok=True)
+            with open(os.path.join(log_dir, "DONE"), "w") as f:
+                json.dump({**self.identity, "global_step": trainer.global_step}, f)

@@ -1,0 +1,175 @@
+"""``lightning-async compare``: gap tables, curves and a TensorBoard layout from training runs.
+
+Python use::
+
+    from lightning_async.compare import compare
+    result = compare(["studies/quickstart/runs"], output="studies/quickstart/compare")
+    for row in result.rows:
+        print(row.label, row.gap, row.recovered)
+
+Command line: ``lightning-async compare RUN_DIR [RUN_DIR ...] [--output DIR] [--paper]`` or
+``python -m lightning_async.compare ...``. See ``docs/compare.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lightning_async.compare.events import (
+    ASYNC,
+    ASYNC_EF,
+    OUTPUT_MARKER,
+    SYNC,
+    CompareError,
+    Run,
+    RunIdentity,
+    classify,
+    find_run_dirs,
+    load_run,
+    load_runs,
+    read_scalars,
+)
+from lightning_async.compare.report import (
+    GAP_TOLERANCE,
+    PAPER_REFERENCE,
+    Row,
+    build_rows,
+    check_comparable,
+    render_tables,
+    write_markdown,
+)
+
+__all__ = [
+    "ASYNC",
+    "ASYNC_EF",
+    "GAP_TOLERANCE",
+    "PAPER_REFERENCE",
+    "SYNC",
+    "CompareError",
+    "CompareResult",
+    "Row",
+    "Run",
+    "RunIdentity",
+    "build_rows",
+    "classify",
+    "compare",
+    "compare_main",
+    "find_run_dirs",
+    "load_run",
+    "load_runs",
+    "read_scalars",
+]
+
+
+@dataclass
+class CompareResult:
+    """What :func:`compare` found and wrote."""
+
+    runs: list[Run]
+    rows: list[Row]
+    warnings: list[str] = field(default_factory=list)
+    report: Path | None = None
+    plots: list[Path] = field(default_factory=list)
+    layout_dir: Path | None = None
+
+    def table(self, paper: bool = False, markdown: bool = False) -> str:
+        return render_tables(self.rows, paper=paper, markdown=markdown)
+
+
+def compare(
+    paths: list[str | Path],
+    output: str | Path | None = None,
+    *,
+    paper: bool = False,
+    plots: bool = True,
+    skip_invalid: bool = False,
+    gap_tolerance: float = GAP_TOLERANCE,
+    commands: list[str] | None = None,
+    warn=None,
+) -> CompareResult:
+    """Load runs under ``paths``, build the gap table and (with ``output``) write the report.
+
+    Raises :class:`CompareError` for fatal input problems (nothing found, a run without identity
+    unless ``skip_invalid``, no optimizer with both a sync and an async run).
+    """
+    warnings: list[str] = []
+
+    def _warn(message: str) -> None:
+        warnings.append(message)
+        if warn is not None:
+            warn(message)
+
+    runs = load_runs(paths, skip_invalid=skip_invalid, warn=_warn)
+    for run in runs:
+        if run.final_val_loss is not None and not math.isfinite(run.final_val_loss):
+            _warn(f"{run.path}: final val/loss is {run.final_val_loss} (diverged); its group's mean is not finite")
+        if run.final_val_loss is None:
+            _warn(f"{run.path}: no val/loss scalar logged; the run is listed but not in the table")
+        elif not run.done:
+            _warn(f"{run.path}: no DONE file (unfinished or interrupted run); its last val/loss is used")
+    rows = build_rows(runs, gap_tolerance=gap_tolerance)
+    for message in check_comparable(rows):
+        _warn(message)
+    result = CompareResult(runs=runs, rows=rows, warnings=warnings)
+    if output is None:
+        return result
+    out = Path(output)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / OUTPUT_MARKER).write_text("written by lightning-async compare; not a run directory\n")
+    if plots:
+        from lightning_async.compare.plots import write_plots
+
+        result.plots = write_plots(rows, out)
+    from lightning_async.compare.layout import write_layout
+
+    result.layout_dir = write_layout(rows, out / "tensorboard")
+    result.report = write_markdown(
+        out / "report.md", rows, runs, paper=paper, commands=commands, plots=result.plots,
+        layout_dir=result.layout_dir, warnings=warnings,
+    )
+    return result
+
+
+def build_parser(prog: str = "lightning-async compare") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Compare sync, async (one-step delayed) and async+EF runs: final validation loss, gap "
+        "and the share of the gap EF recovers, per optimizer. Writes report.md, PNG curves and a "
+        "TensorBoard custom-scalars layout when --output is given.",
+    )
+    parser.add_argument("paths", nargs="+", metavar="RUN_DIR", help="run directories or parents of many runs")
+    parser.add_argument("--output", "-o", default=None, help="directory for report.md, PNGs and the TensorBoard layout")
+    parser.add_argument("--paper", action="store_true", help="add the paper's SmolLM2-360M numbers side by side")
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNG curves")
+    parser.add_argument("--skip-invalid", action="store_true", help="leave out runs without identity instead of failing")
+    parser.add_argument("--gap-tolerance", type=float, default=GAP_TOLERANCE,
+                        help=f"|gap| below this counts as no gap (default {GAP_TOLERANCE:g})")
+    return parser
+
+
+def compare_main(argv: list[str] | None = None) -> int:
+    """Entry point of ``lightning-async compare``; returns the exit status (0 ok, 2 bad input)."""
+    args = build_parser().parse_args(argv)
+    command = "lightning-async compare " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    try:
+        result = compare(
+            args.paths, args.output, paper=args.paper, plots=not args.no_plots, skip_invalid=args.skip_invalid,
+            gap_tolerance=args.gap_tolerance, commands=[command],
+            warn=lambda m: print(f"warning: {m}", file=sys.stderr),
+        )
+    except CompareError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"{len(result.runs)} runs\n")
+    print(result.table(paper=args.paper))
+    if result.report is not None:
+        print(f"\nreport: {result.report}")
+        for path in result.plots:
+            print(f"plot:   {path}")
+        print(f"tensorboard --logdir {result.layout_dir}  (Custom Scalars tab)")
+    return 0

@@ -1,0 +1,393 @@
+"""The gap table: final validation loss of sync, async and async+EF runs, side by side.
+
+Rows are groups of runs that differ only in the mode (and the seed): one row per optimizer, per
+(optimizer, lr) when an optimizer was run at several learning rates, and per delay / EF strength
+when a study swept those. For each row:
+
+* ``sync``, ``async``, ``async+EF``: mean final ``val/loss`` over seeds, with the spread;
+* ``gap = async - sync`` (and in % of sync);
+* ``EF recovered = (async - async+EF) / (async - sync)``: 1 means EF closes the whole gap, 0 means
+  it does nothing, negative means it hurts. "n/a" when a mode is missing or the gap is ~0.
+
+Spread over seeds is the sample standard deviation (ddof=1) with the min-max range; for the gap
+and the recovered share it is taken over the per-seed values of seeds present in every mode.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lightning_async.compare.events import ASYNC, ASYNC_EF, SYNC, CompareError, Run
+
+#: |gap| below this (absolute, in loss units) counts as "no gap": the recovered share is n/a.
+GAP_TOLERANCE = 1e-4
+
+#: SmolLM2-360M on FineWeb-Edu, final validation loss: (sync, async, async+EF); None = not given.
+#: Source: the paper (arXiv 2606.30634) via a machine-written summary; see docs/compare.md.
+PAPER_REFERENCE: dict[str, tuple[float, float, float | None]] = {
+    "adamw": (2.612, 2.890, 2.640),
+    "muon": (2.578, 2.590, 2.583),
+    "soap": (2.581, 2.608, 2.590),
+    "adan": (2.641, 2.651, None),
+}
+
+
+@dataclass
+class Stat:
+    """Summary of one quantity over seeds."""
+
+    values: list[float]
+
+    @property
+    def n(self) -> int:
+        return len(self.values)
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.values)
+
+    @property
+    def std(self) -> float | None:
+        return statistics.stdev(self.values) if self.n > 1 else None
+
+    @property
+    def min(self) -> float:
+        return min(self.values)
+
+    @property
+    def max(self) -> float:
+        return max(self.values)
+
+
+def _stat(values: list[float]) -> Stat | None:
+    return Stat(values) if values else None
+
+
+@dataclass
+class Row:
+    """One line of the gap table."""
+
+    optimizer: str
+    lr: float | None = None
+    delay: int | None = None
+    ef_strength: float | None = None
+    show_lr: bool = False
+    show_delay: bool = False
+    show_ef: bool = False
+    runs: dict[str, list[Run]] = field(default_factory=lambda: {SYNC: [], ASYNC: [], ASYNC_EF: []})
+    gap_tolerance: float = GAP_TOLERANCE
+
+    # ---- per-mode results -------------------------------------------------------------------
+    def losses(self, category: str) -> dict[int | None, float]:
+        """seed -> final val loss (runs without a seed get distinct negative keys)."""
+        out: dict[int | None, float] = {}
+        for i, run in enumerate(self.runs[category]):
+            loss = run.final_val_loss
+            if loss is None:
+                continue
+            key = run.identity.seed if run.identity.seed is not None else -(i + 1)
+            out[key] = loss
+        return out
+
+    def stat(self, category: str) -> Stat | None:
+        return _stat(list(self.losses(category).values()))
+
+    @property
+    def sync(self) -> Stat | None:
+        return self.stat(SYNC)
+
+    @property
+    def async_(self) -> Stat | None:
+        return self.stat(ASYNC)
+
+    @property
+    def async_ef(self) -> Stat | None:
+        return self.stat(ASYNC_EF)
+
+    @property
+    def seeds(self) -> int:
+        """Number of seeds of the best-covered mode."""
+        return max((len(self.losses(c)) for c in (SYNC, ASYNC, ASYNC_EF)), default=0)
+
+    # ---- derived ----------------------------------------------------------------------------
+    def _paired(self, *categories: str) -> list[dict[str, float]]:
+        tables = [self.losses(c) for c in categories]
+        common = set(tables[0]).intersection(*tables[1:])
+        return [{c: t[s] for c, t in zip(categories, tables)} for s in sorted(common, key=lambda s: (s is None, s))]
+
+    @property
+    def gap(self) -> float | None:
+        """mean(async) - mean(sync), or None when a mode is missing."""
+        if self.sync is None or self.async_ is None:
+            return None
+        return self.async_.mean - self.sync.mean
+
+    @property
+    def gap_pct(self) -> float | None:
+        if self.gap is None or self.sync.mean == 0:
+            return None
+        return 100.0 * self.gap / self.sync.mean
+
+    @property
+    def gap_seeds(self) -> Stat | None:
+        """Per-seed gaps (seeds present in both sync and async)."""
+        return _stat([p[ASYNC] - p[SYNC] for p in self._paired(SYNC, ASYNC)])
+
+    @property
+    def gap_is_zero(self) -> bool:
+        return self.gap is not None and abs(self.gap) < self.gap_tolerance
+
+    @property
+    def recovered(self) -> float | None:
+        """(mean async - mean async+EF) / (mean async - mean sync); None when n/a."""
+        if self.gap is None or self.async_ef is None or self.gap_is_zero:
+            return None
+        return (self.async_.mean - self.async_ef.mean) / self.gap
+
+    @property
+    def recovered_seeds(self) -> Stat | None:
+        """Per-seed recovered shares (seeds present in all three modes with a non-zero gap)."""
+        shares = [
+            (p[ASYNC] - p[ASYNC_EF]) / (p[ASYNC] - p[SYNC])
+            for p in self._paired(SYNC, ASYNC, ASYNC_EF)
+            if abs(p[ASYNC] - p[SYNC]) >= self.gap_tolerance
+        ]
+        return _stat(shares)
+
+    @property
+    def seed_spread(self) -> float | None:
+        """Largest seed std among the modes (None with fewer than two seeds everywhere)."""
+        stds = [s.std for s in (self.sync, self.async_, self.async_ef) if s is not None and s.std is not None]
+        return max(stds) if stds else None
+
+    @property
+    def label(self) -> str:
+        parts = [self.optimizer]
+        if self.show_lr:
+            parts.append(f"lr={_g(self.lr)}")
+        if self.show_delay:
+            parts.append(f"delay={self.delay}")
+        if self.show_ef and self.ef_strength is not None:
+            parts.append(f"EF={_g(self.ef_strength)}")
+        return " ".join(parts)
+
+    @property
+    def comparable(self) -> bool:
+        return self.sync is not None and (self.async_ is not None or self.async_ef is not None)
+
+    def missing(self) -> list[str]:
+        return [c for c in (SYNC, ASYNC, ASYNC_EF) if self.stat(c) is None]
+
+
+def _g(x: float | None) -> str:
+    return "default" if x is None else f"{x:g}"
+
+
+def _lr_key(lr: float | None) -> float | None:
+    return None if lr is None else float(f"{lr:.6g}")
+
+
+def build_rows(runs: list[Run], gap_tolerance: float = GAP_TOLERANCE) -> list[Row]:
+    """Group runs into gap-table rows (see the module docstring)."""
+    by_opt: dict[str, list[Run]] = defaultdict(list)
+    for run in runs:
+        by_opt[run.identity.optimizer].append(run)
+    rows: list[Row] = []
+    for optimizer in sorted(by_opt):
+        opt_runs = by_opt[optimizer]
+        lrs = sorted({_lr_key(r.identity.lr) for r in opt_runs}, key=lambda x: (x is None, x))
+        for lr in lrs:
+            group = [r for r in opt_runs if _lr_key(r.identity.lr) == lr]
+            delayed = [r for r in group if r.category != SYNC]
+            delays = sorted({r.identity.delay for r in delayed}) or [None]
+            efs = sorted({r.identity.ef_strength for r in delayed if r.category == ASYNC_EF}) or [None]
+            for delay in delays:
+                for ef in efs:
+                    row = Row(
+                        optimizer=optimizer,
+                        lr=lr,
+                        delay=delay,
+                        ef_strength=ef,
+                        show_lr=len(lrs) > 1,
+                        show_delay=len(delays) > 1,
+                        show_ef=len(efs) > 1,
+                        gap_tolerance=gap_tolerance,
+                    )
+                    for run in group:
+                        cat = run.category
+                        if cat == SYNC:
+                            row.runs[SYNC].append(run)
+                        elif run.identity.delay == delay or delay is None:
+                            if cat == ASYNC or run.identity.ef_strength == ef:
+                                row.runs[cat].append(run)
+                    rows.append(row)
+    return rows
+
+
+def check_comparable(rows: list[Row]) -> list[str]:
+    """Warnings for rows that cannot be compared; raises :class:`CompareError` if none can."""
+    warnings = []
+    for row in rows:
+        missing = row.missing()
+        if missing:
+            warnings.append(f"{row.label}: no finished runs with val/loss for {', '.join(missing)}; shown as n/a")
+    if not any(row.comparable for row in rows):
+        present = sorted({f"{r.label}: {', '.join(c for c in (SYNC, ASYNC, ASYNC_EF) if r.stat(c))}" for r in rows})
+        raise CompareError(
+            "cannot build a gap table: no optimizer has both a sync run and an async (or async+EF) run with a "
+            "val/loss. Present: " + ("; ".join(present) or "nothing") + ". Add the missing modes "
+            "(e.g. `lightning-async study` with modes [sync, delayed, delayed-ef])."
+        )
+    return warnings
+
+
+# ---- formatting -------------------------------------------------------------------------------
+def fmt_stat(stat: Stat | None, digits: int = 3) -> str:
+    if stat is None:
+        return "n/a"
+    text = f"{stat.mean:.{digits}f}"
+    if stat.n > 1:
+        text += f" ± {stat.std:.{digits}f} (n={stat.n})"
+    return text
+
+
+def fmt_gap(row: Row, digits: int = 3) -> str:
+    if row.gap is None:
+        return "n/a"
+    text = f"{row.gap:+.{digits}f}"
+    if row.gap_pct is not None:
+        text += f" ({row.gap_pct:+.1f}%)"
+    seeds = row.gap_seeds
+    if seeds is not None and seeds.n > 1:
+        text += f" ± {seeds.std:.{digits}f}"
+    return text
+
+
+def fmt_recovered(row: Row) -> str:
+    if row.recovered is None:
+        if row.gap is not None and row.async_ef is not None and row.gap_is_zero:
+            return "n/a (gap ~0)"
+        return "n/a"
+    text = f"{100 * row.recovered:.0f}%"
+    seeds = row.recovered_seeds
+    if seeds is not None and seeds.n > 1:
+        text += f" ± {100 * seeds.std:.0f}% [{100 * seeds.min:.0f}..{100 * seeds.max:.0f}%]"
+    return text
+
+
+HEADERS = ("run group", "sync", "async", "async+EF", "gap (async-sync)", "EF recovered")
+
+
+def table_cells(rows: list[Row], digits: int = 3) -> list[list[str]]:
+    return [
+        [row.label, fmt_stat(row.sync, digits), fmt_stat(row.async_, digits), fmt_stat(row.async_ef, digits),
+         fmt_gap(row, digits), fmt_recovered(row)]
+        for row in rows
+    ]
+
+
+def paper_cells(optimizers: list[str] | None = None) -> list[list[str]]:
+    names = [o for o in PAPER_REFERENCE if optimizers is None or o in optimizers] or list(PAPER_REFERENCE)
+    cells = []
+    for name in names:
+        sync, asyn, ef = PAPER_REFERENCE[name]
+        gap = asyn - sync
+        rec = "n/a" if ef is None or abs(gap) < GAP_TOLERANCE else f"{100 * (asyn - ef) / gap:.0f}%"
+        cells.append([f"{name} (paper, 360M)", f"{sync:.3f}", f"{asyn:.3f}", "n/a" if ef is None else f"{ef:.3f}",
+                      f"{gap:+.3f} ({100 * gap / sync:+.1f}%)", rec])
+    return cells
+
+
+def text_table(headers, cells) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *cells)]
+    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths))
+    out = [line, "  ".join("-" * w for w in widths)]
+    out += ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in cells]
+    return "\n".join(out)
+
+
+def markdown_table(headers, cells) -> str:
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in cells]
+    return "\n".join(out)
+
+
+def render_tables(rows: list[Row], *, paper: bool = False, markdown: bool = False, digits: int = 3) -> str:
+    """The gap table per optimizer (one block per optimizer), plus the paper's numbers if asked."""
+    render = markdown_table if markdown else text_table
+    blocks = []
+    for optimizer in dict.fromkeys(r.optimizer for r in rows):
+        opt_rows = [r for r in rows if r.optimizer == optimizer]
+        cells = table_cells(opt_rows, digits)
+        if paper and optimizer in PAPER_REFERENCE:
+            cells += paper_cells([optimizer])
+        title = f"### {optimizer}" if markdown else f"== {optimizer} =="
+        blocks.append(title + ("\n\n" if markdown else "\n") + render(HEADERS, cells))
+    if paper:
+        title = "### Paper reference (SmolLM2-360M, FineWeb-Edu)" if markdown else "== paper reference (SmolLM2-360M) =="
+        blocks.append(title + ("\n\n" if markdown else "\n") + render(HEADERS, paper_cells()))
+    return "\n\n".join(blocks)
+
+
+def run_list_cells(runs: list[Run]) -> list[list[str]]:
+    cells = []
+    for run in sorted(runs, key=lambda r: (r.identity.optimizer, r.category, r.identity.seed or 0, str(r.path))):
+        ident = run.identity
+        loss = run.final_val_loss
+        cells.append([
+            run.name, ident.optimizer, ident.mode, run.category, _g(ident.lr), str(ident.delay),
+            f"{ident.ef_strength:g}", "-" if ident.seed is None else str(ident.seed),
+            "-" if run.last_step is None else str(run.last_step),
+            "no val/loss" if loss is None else f"{loss:.4f}", "yes" if run.done else "no", str(run.path),
+        ])
+    return cells
+
+
+RUN_HEADERS = ("run", "optimizer", "mode", "class", "lr", "delay", "EF", "seed", "last step", "final val/loss", "DONE",
+               "path")
+
+
+def write_markdown(
+    path: Path,
+    rows: list[Row],
+    runs: list[Run],
+    *,
+    paper: bool = False,
+    commands: list[str] | None = None,
+    plots: list[Path] | None = None,
+    layout_dir: Path | None = None,
+    warnings: list[str] | None = None,
+) -> Path:
+    """``report.md``: the tables, notes, plots, the run list and the commands that produced them."""
+    lines = ["# Sync vs async vs async+EF", ""]
+    lines += [
+        "Final validation loss (`val/loss` at the last logged step), mean ± sample std over seeds. "
+        "gap = async - sync (in % of sync). EF recovered = (async - async+EF) / (async - sync): "
+        "100% means EF closes the whole gap, 0% means it does nothing, negative means it hurts; "
+        f"n/a when a mode is missing or |gap| < {GAP_TOLERANCE:g}. Spreads of gap and recovered share are over "
+        "the per-seed values of seeds present in every mode.",
+        "",
+        render_tables(rows, paper=paper, markdown=True),
+        "",
+    ]
+    if warnings:
+        lines += ["## Warnings", ""] + [f"- {w}" for w in warnings] + [""]
+    if plots:
+        lines += ["## Curves", ""]
+        lines += [f"![{p.stem}]({p.name})" for p in plots] + [""]
+    if layout_dir is not None:
+        lines += [
+            "## TensorBoard",
+            "",
+            f"`tensorboard --logdir {layout_dir}` shows the same overlays under *Custom Scalars* "
+            "(one section per optimizer).",
+            "",
+        ]
+    lines += ["## Runs", "", markdown_table(RUN_HEADERS, run_list_cells(runs)), ""]
+    if commands:
+        lines += ["## Commands", "", "```bash"] + commands + ["```", ""]
+    path.write_text("\n".join(lines))
+    return path

@@ -1,0 +1,1 @@
+"""The pipeline engine (no Lightning imports): schedules, partitioning, transport and the runtime."""

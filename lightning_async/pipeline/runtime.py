@@ -1,0 +1,377 @@
+"""The pipeline runtime: executes a schedule's actions for one stage, with weight versions.
+
+One :class:`PipelineRuntime` per process. It owns the stage's weight slots (two under ``2bw``, one
+for the flushing schedules), runs forwards through ``torch.func.functional_call`` so each micro-batch
+uses the slot of its batch's version and autograd accumulates into that slot, and applies updates with
+:func:`~lightning_async.optim.delayed_step.delayed_step`, the same code as the single-device simulation.
+
+2BW timing: the update of batch ``b`` is *computed* when the stage has finished batch ``b``'s last
+backward (gradient reductions start then, asynchronously) and *applied* at the start of call ``b + 2``,
+the first moment its result ``V(b + 2)`` is read. Global-norm clipping, data-parallel averaging and
+tied-weight reduction therefore never make one stage wait for another in steady state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.func import functional_call
+
+from lightning_async.optim.delayed_step import delayed_step
+from lightning_async.optim.error_feedback import ErrorFeedbackCorrection
+from lightning_async.pipeline import schedules
+from lightning_async.pipeline.p2p import StageTransport
+from lightning_async.pipeline.schedules import BACKWARD, FORWARD, UPDATE
+
+
+class StageModule(nn.Module):
+    """The units of one stage, applied in order."""
+
+    def __init__(self, units: Sequence[tuple[str, nn.Module]]) -> None:
+        super().__init__()
+        self.unit_names = [name for name, _ in units]
+        self.units = nn.ModuleList(module for _, module in units)
+
+    def forward(self, x):
+        for unit in self.units:
+            x = unit(x)
+        return x
+
+
+@dataclass
+class PipelineGroups:
+    """Process groups and ranks a stage talks to (built by the strategy; all ``None`` on one process)."""
+
+    stage: int = 0
+    num_stages: int = 1
+    prev_rank: int | None = None
+    next_rank: int | None = None
+    p2p: object = None  # group for sends/receives along the pipeline
+    pipeline: object = None  # collective group of this pipeline's stages (grad norm)
+    data_parallel: object = None  # same stage across replicas (gradient averaging)
+    data_parallel_size: int = 1
+    tied: object = None  # first and last stage, when they share weights
+    metrics: object = None  # every rank (loss reporting)
+    stage_of_rank: Callable[[int], int] = lambda r: r
+
+
+@dataclass
+class _PendingUpdate:
+    batch: int
+    grads: list[torch.Tensor | None]
+    hyperparameters: list[dict]
+    works: list = field(default_factory=list)
+    norm_sq: torch.Tensor | None = None
+
+
+class PipelineRuntime:
+    """Executes ``schedule`` for one stage.
+
+    Args:
+        stage_module: this stage's units.
+        optimizer: optimizer over the stage's parameters (the module's ``nn.Parameter`` objects).
+        schedule: ``"2bw"``, ``"1f1b"`` or ``"gpipe"``.
+        num_microbatches: micro-batches per batch ``m``.
+        split_batch: ``batch -> (inputs, targets)``; every rank gets the same batch.
+        loss_fn: ``(outputs, targets) -> scalar mean loss`` (last stage).
+        groups: ranks and process groups; defaults to a single process.
+        gradient_clip_val: global-norm clipping over all stages (``None``/0: off).
+        error_feedback: Error-Feedback correction (``2bw`` only).
+        tied_parameters: names (in ``stage_module``) of weights shared between first and last stage.
+        count_tied_in_norm: whether this stage counts the tied weights in the global norm.
+        autocast: context manager factory for forwards (e.g. bf16 autocast).
+    """
+
+    def __init__(
+        self,
+        stage_module: StageModule,
+        optimizer: torch.optim.Optimizer,
+        schedule: str,
+        num_microbatches: int,
+        split_batch: Callable,
+        loss_fn: Callable,
+        groups: PipelineGroups | None = None,
+        gradient_clip_val: float | None = None,
+        error_feedback: ErrorFeedbackCorrection | None = None,
+        tied_parameters: Sequence[str] = (),
+        count_tied_in_norm: bool = True,
+        autocast: Callable = contextlib.nullcontext,
+        device: torch.device | None = None,
+    ) -> None:
+        self.groups = groups or PipelineGroups()
+        schedules.validate(schedule, self.groups.num_stages, num_microbatches)
+        if error_feedback is not None and error_feedback.enabled and schedule != "2bw":
+            raise ValueError(
+                f"Error Feedback corrects the one-step delay of schedule '2bw'; schedule {schedule!r} has no delay. "
+                "Use strategy='async_pipe' or remove the ErrorFeedback callback."
+            )
+        self.module, self.optimizer, self.schedule, self.m = stage_module, optimizer, schedule, num_microbatches
+        self.split_batch, self.loss_fn = split_batch, loss_fn
+        self.clip = gradient_clip_val or None
+        self.correction = error_feedback
+        self.autocast = autocast
+        self.device = device or next(stage_module.parameters()).device
+        named = dict(stage_module.named_parameters())
+        self.names = list(named)
+        self.params = [named[n] for n in self.names]
+        self.tied = [self.names.index(n) for n in tied_parameters]
+        self.count_tied_in_norm = count_tied_in_norm
+        g = self.groups
+        self.is_first, self.is_last = g.stage == 0, g.stage == g.num_stages - 1
+        self.transport = StageTransport(g.prev_rank, g.next_rank, g.p2p, self.device, g.stage_of_rank)
+        versions = 2 if schedule == "2bw" else 1
+        self.slots = [[p.detach().clone().requires_grad_(True) for p in self.params] for _ in range(versions)]
+        for p, t in zip(self.params, self.slots[-1]):
+            p.data = t.data  # the module's parameters always show the newest weights
+        self.batches_done = 0  # training calls finished
+        self.fresh = True  # pipeline empty: the next call starts with warmup
+        self.batch_shape: torch.Size | None = None
+        self._inflight: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # mb -> (input, output)
+        self._pending: dict[int, _PendingUpdate] = {}
+        self._hyper: dict[int, list[dict]] = {}
+        self._losses: list[torch.Tensor] = []
+        self._batch_data: dict[int, tuple[list, list]] = {}
+        self.reported_losses: dict[int, torch.Tensor] = {}  # batch -> mean loss (after the metrics reduce)
+        self._loss_works: dict[int, tuple[object, torch.Tensor]] = {}
+
+    # ---- version bookkeeping -------------------------------------------------------------------
+    def _slot(self, batch: int) -> list[torch.Tensor]:
+        return self.slots[batch % len(self.slots)]
+
+    def newest(self) -> list[torch.Tensor]:
+        return [p.data for p in self.params]
+
+    # ---- actions --------------------------------------------------------------------------------
+    def _forward(self, mb: int, batch: int, x: torch.Tensor, targets, training: bool) -> torch.Tensor:
+        slot = self._slot(batch) if training else self.newest()
+        weights = dict(zip(self.names, slot))
+        if training and not self.is_first:
+            x = x.detach().requires_grad_(x.is_floating_point())
+        with self.autocast():
+            y = functional_call(self.module, weights, (x,))
+            if self.is_last:
+                y = self.loss_fn(y, targets)
+        if training:
+            self._inflight[mb] = (x, y)
+        return y
+
+    def _backward(self, mb: int, grad: torch.Tensor | None) -> torch.Tensor | None:
+        x, y = self._inflight.pop(mb)
+        if self.is_last:
+            (y / self.m).backward()
+        else:
+            torch.autograd.backward(y, grad)
+        return x.grad if not self.is_first else None
+
+    def _record_loss(self, batch: int, loss: torch.Tensor) -> None:
+        self._losses.append(loss.detach().float())
+        if len(self._losses) == self.m:
+            self._reduce_loss(batch, torch.stack(self._losses).mean())
+            self._losses = []
+
+    def _reduce_loss(self, batch: int, value: torch.Tensor | None) -> None:
+        """Start sending batch ``batch``'s mean loss from the last stage to every rank (asynchronously)."""
+        g = self.groups
+        if g.metrics is None:
+            self.reported_losses[batch] = value
+            return
+        buf = torch.zeros((), device=self.device) if value is None else value.clone()
+        work = dist.all_reduce(buf, group=g.metrics, async_op=True)
+        self._loss_works[batch] = (work, buf)
+
+    def collect_loss(self, batch: int, wait: bool = True) -> torch.Tensor | None:
+        """Mean training loss of ``batch`` on every rank (``None`` if not reduced yet and ``wait=False``)."""
+        if batch in self._loss_works:
+            work, buf = self._loss_works[batch]
+            if not wait and not work.is_completed():
+                return None
+            work.wait()
+            del self._loss_works[batch]
+            self.reported_losses[batch] = buf / self.groups.data_parallel_size
+        return self.reported_losses.pop(batch, None)
+
+    def _begin_update(self, batch: int) -> None:
+        """Last backward of ``batch`` done: take its gradients and start their reductions."""
+        slot = self._slot(batch)
+        grads = [t.grad for t in slot]
+        for t in slot:
+            t.grad = None
+        pending = _PendingUpdate(batch, grads, self._hyper.pop(batch))
+        g = self.groups
+        present = [x for x in grads if x is not None]
+        if g.data_parallel is not None and g.data_parallel_size > 1:
+            for x in present:
+                x.div_(g.data_parallel_size)
+            works = [dist.all_reduce(x, group=g.data_parallel, async_op=True) for x in present]
+            for w in works:
+                w.wait()  # replicas run in lockstep: no cross-stage wait
+        if g.tied is not None and self.tied:
+            pending.works += [dist.all_reduce(grads[i], group=g.tied, async_op=True) for i in self.tied if grads[i] is not None]
+            if self.is_first:
+                for w in pending.works:
+                    w.wait()  # the last stage posted long ago; the first stage's norm needs the sum
+        if self.clip:
+            skip = set() if self.count_tied_in_norm else set(self.tied)
+            sq = sum((x.float().pow(2).sum() for i, x in enumerate(grads) if x is not None and i not in skip), torch.zeros((), device=self.device))
+            pending.norm_sq = sq
+            if g.pipeline is not None:
+                pending.works.append(dist.all_reduce(sq, group=g.pipeline, async_op=True))
+        self._pending[batch] = pending
+
+    def _apply_update(self, batch: int) -> None:
+        pending = self._pending.pop(batch)
+        for w in pending.works:
+            w.wait()
+        if self.clip and pending.norm_sq is not None:
+            norm = pending.norm_sq.sqrt()
+            coef = torch.clamp(self.clip / (norm + 1e-6), max=1.0)
+            for x in pending.grads:
+                if x is not None:
+                    x.mul_(coef.to(x.dtype))
+        delayed_step(
+            self.optimizer,
+            self.params,
+            pending.grads,
+            newest=self.newest(),
+            out=self._slot(batch + len(self.slots)),  # 2BW: V(b+2) replaces V(b); sync: in place
+            correction=self.correction,
+            hyperparameters=pending.hyperparameters,
+        )
+
+    # ---- calls ------------------------------------------------------------------------------------
+    def _split(self, batch_data) -> tuple[list, list]:
+        inputs, targets = self.split_batch(batch_data)
+        if inputs.shape[0] % self.m:
+            raise ValueError(
+                f"Batch size {inputs.shape[0]} is not divisible by n_microbatches={self.m}; "
+                "choose a batch size that is a multiple of n_microbatches."
+            )
+        return list(inputs.chunk(self.m)), list(targets.chunk(self.m))
+
+    def _run(self, actions: Sequence[schedules.Action], training: bool = True) -> None:
+        t = self.transport
+        received: torch.Tensor | None = None
+        for k, action in enumerate(actions):
+            nxt = actions[k + 1] if k + 1 < len(actions) else None
+            if action.kind == UPDATE:
+                self._begin_update(action.batch)
+                if self.schedule != "2bw":
+                    self._apply_update(action.batch)
+                continue
+            i = action.microbatch % self.m
+            inputs, targets = self._batch_data[action.batch]
+            if action.kind == FORWARD:
+                if self.is_first:
+                    x = inputs[i]
+                else:
+                    x = received if received is not None else t.exchange(None, None, "act")
+                received = None
+                y = self._forward(action.microbatch, action.batch, x, targets[i], training)
+                if self.is_last:
+                    self._record_loss(action.batch, y)
+                    continue
+                wants_grad = nxt is not None and nxt.kind == BACKWARD
+                received = t.exchange(y.detach(), "act", "grad" if wants_grad else None)
+            else:  # BACKWARD
+                grad = None
+                if not self.is_last:
+                    grad = received if received is not None else t.exchange(None, None, "grad")
+                received = None
+                dx = self._backward(action.microbatch, grad)
+                if self.is_first:
+                    continue
+                wants_act = nxt is not None and nxt.kind == FORWARD
+                received = t.exchange(dx, "grad", "act" if wants_act else None)
+
+    def train_batch(self, batch_data) -> None:
+        """Run the call for the next training batch (2BW: without flushing the pipeline)."""
+        b = self.batches_done
+        shape = self.split_batch(batch_data)[0].shape
+        if self.schedule == "2bw" and not self.fresh and shape != self.batch_shape:
+            self.drain()  # a new shape needs a fresh pipeline (and a new header exchange)
+        self.batch_shape = shape
+        if self.fresh:
+            self.transport.reset()
+        self._batch_data[b] = self._split(batch_data)
+        self._hyper[b] = [{"lr": g["lr"]} for g in self.optimizer.param_groups]
+        for old in [k for k in self._pending if k <= b - 2]:
+            self._apply_update(old)
+        actions = schedules.call_actions(self.schedule, self.groups.stage, self.groups.num_stages, self.m, b, self.fresh)
+        self._run(actions)
+        if not self.is_last:
+            self._reduce_loss(b, None)  # join the last stage's loss reduction for this batch
+        self.fresh = False
+        self.batches_done = b + 1
+        for done in [k for k in self._batch_data if k < b - 1]:
+            del self._batch_data[done]
+
+    def drain(self) -> None:
+        """Empty the pipeline: finish in-flight backwards and apply every pending update."""
+        if self.fresh or self.batches_done == 0:
+            self.fresh = True
+            return
+        last = self.batches_done - 1
+        self._run(schedules.drain_actions(self.schedule, self.groups.stage, self.groups.num_stages, self.m, last))
+        for b in sorted(self._pending):
+            self._apply_update(b)
+        self._batch_data.clear()
+        self.transport.flush()
+        self.fresh = True
+
+    @torch.no_grad()
+    def eval_batch(self, batch_data) -> torch.Tensor | None:
+        """Forward-only pipeline at the newest weights; returns the mean loss on every rank."""
+        self.drain()
+        self.transport.reset()
+        self._batch_data[-1] = self._split(batch_data)
+        actions = [schedules.Action(FORWARD, i, -1) for i in range(self.m)]
+        losses = []
+        t = self.transport
+        for action in actions:
+            inputs, targets = self._batch_data[-1]
+            x = inputs[action.microbatch] if self.is_first else t.exchange(None, None, "act")
+            y = self._forward(action.microbatch, -1, x, targets[action.microbatch], training=False)
+            if self.is_last:
+                losses.append(y.float())
+            else:
+                t.exchange(y, "act", None)
+        del self._batch_data[-1]
+        t.flush()
+        value = torch.stack(losses).mean() if losses else None
+        if self.groups.metrics is None:
+            return value
+        buf = torch.zeros((), device=self.device) if value is None else value.clone()
+        dist.all_reduce(buf, group=self.groups.metrics)
+        return buf / self.groups.data_parallel_size
+
+    # ---- checkpoint -------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Both weight versions, counters and the Error-Feedback buffers (call after :meth:`drain`)."""
+        if not self.fresh:
+            raise RuntimeError("PipelineRuntime.state_dict() needs an empty pipeline: call drain() first.")
+        return {
+            "schedule": self.schedule,
+            "batches_done": self.batches_done,
+            "slots": [[t.detach().clone() for t in slot] for slot in self.slots],
+            "newest_slot": next(i for i, s in enumerate(self.slots) if s[0].data_ptr() == self.params[0].data_ptr()),
+            "error_feedback": None if self.correction is None else self.correction.state_dict(self.params),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["schedule"] != self.schedule:
+            raise ValueError(f"Checkpoint was written with schedule {state['schedule']!r}, this run uses {self.schedule!r}.")
+        self.batches_done = state["batches_done"]
+        with torch.no_grad():
+            for slot, saved in zip(self.slots, state["slots"]):
+                for t, s in zip(slot, saved):
+                    t.copy_(s)
+        for p, t in zip(self.params, self.slots[state["newest_slot"]]):
+            p.data = t.data
+        if self.correction is not None and state["error_feedback"] is not None:
+            self.correction.load_state_dict(state["error_feedback"], self.params)
+        self.fresh = True

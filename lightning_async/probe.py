@@ -1,0 +1,192 @@
+"""``lightning-async probe``: does one-step delay hurt *my* recipe, and does EF fix it?
+
+Runs three short single-device trainings of the user's recipe(s), sync, delayed and
+delayed+EF, with the same seed(s), then prints the gap table and a plain-language verdict::
+
+    lightning-async probe --config my_model.yaml --config my_data.yaml --steps 200 --seeds 3
+
+It is a small :mod:`lightning_async.study` (same runner, same skip/resume bookkeeping, runs under
+``<output>/runs``) read back with :mod:`lightning_async.compare`'s reader.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from lightning_async.compare import ASYNC, SYNC, CompareError, Row, compare
+from lightning_async.study import Runner, Study, StudyError, find_recipes_dir, parse_set, run_study
+
+PROBE_MODES = ["sync", "delayed", "delayed-ef"]
+
+
+@dataclass
+class Verdict:
+    """The probe's conclusion: one paragraph of text and a confidence level (high/moderate/low/none)."""
+
+    text: str
+    confidence: str
+    gap: float | None
+    gap_pct: float | None
+    recovered: float | None
+    seeds: int
+    spread: float | None
+
+
+def _ef_phrase(recovered: float) -> str:
+    if recovered >= 0.8:
+        return "EF closes (nearly) all of it"
+    if recovered >= 0.3:
+        return "EF closes part of it"
+    if recovered >= 0:
+        return "EF barely helps"
+    return "EF makes it worse"
+
+
+def verdict(row: Row) -> Verdict:
+    """Judge one gap-table row in plain language.
+
+    * ``async costs X in final loss (Y%)`` (or: no measurable cost / async ended lower);
+    * ``EF recovers Z% of it`` with a qualifier (closes all / part / barely / worse);
+    * with K >= 2 seeds, whether |gap| exceeds the seed spread (largest per-mode std): confidence
+      *high* if |gap| > 3 spreads, *moderate* if > 1 spread, else *low*; with one seed, *low*
+      (no spread estimate).
+    """
+    seeds = row.seeds
+    spread = row.seed_spread
+    gap, pct, recovered = row.gap, row.gap_pct, row.recovered
+    if gap is None:
+        missing = ", ".join(c for c in (SYNC, ASYNC) if row.stat(c) is None)
+        return Verdict(f"cannot judge: no finished {missing} run with a val/loss", "none", None, None, None, seeds, spread)
+    sentences = []
+    pct_text = f" ({pct:+.2f}%)" if pct is not None else ""
+    if row.gap_is_zero:
+        sentences.append(f"async costs nothing measurable in final loss (gap {gap:+.4f}{pct_text})")
+    elif gap < 0:
+        sentences.append(f"async ended lower than sync by {-gap:.4f}{pct_text}: no cost from the delay here")
+    else:
+        sentences.append(f"async costs {gap:.4f} in final loss{pct_text.replace('+', '')}")
+    if row.async_ef is None:
+        sentences.append("EF was not measured (no delayed-ef run)")
+    elif recovered is None:
+        ef_delta = row.async_.mean - row.async_ef.mean
+        sentences.append(f"EF changes the final loss by {-ef_delta:+.4f} (no gap to recover)")
+    elif gap > 0:
+        sentences.append(f"EF recovers {100 * recovered:.0f}% of it ({_ef_phrase(recovered)})")
+    else:
+        sentences.append(f"EF moves the loss by {row.async_ef.mean - row.async_.mean:+.4f} relative to async")
+
+    if seeds < 2 or spread is None:
+        confidence = "low"
+        sentences.append(
+            f"with {seeds} seed there is no estimate of seed noise, so a gap this size may be chance; "
+            "rerun with --seeds 3 to know"
+        )
+    else:
+        larger = abs(gap) > spread
+        sentences.append(
+            f"with {seeds} seeds the gap is {'' if larger else 'not '}larger than the seed spread "
+            f"(|gap| {abs(gap):.4f} vs spread {spread:.4f})"
+        )
+        if row.async_ef is not None and row.async_ is not None:
+            ef_gain = row.async_.mean - row.async_ef.mean
+            sentences.append(
+                f"the EF improvement ({ef_gain:+.4f}) is {'' if abs(ef_gain) > spread else 'not '}larger than the spread"
+            )
+        ratio = abs(gap) / spread if spread > 0 else math.inf
+        confidence = "high" if ratio > 3 else ("moderate" if ratio > 1 else "low")
+    text = "; ".join(sentences) + "."
+    return Verdict(text, confidence, gap, pct, recovered, seeds, spread)
+
+
+def confidence_statement(v: Verdict) -> str:
+    explain = {
+        "high": "the gap is more than 3x the seed-to-seed spread",
+        "moderate": "the gap exceeds the seed spread but by less than 3x; more seeds or steps would firm it up",
+        "low": "the gap is within seed noise or the noise is unknown",
+        "none": "nothing to compare",
+    }
+    return f"Confidence: {v.confidence} ({explain[v.confidence]})."
+
+
+def build_parser(prog: str = "lightning-async probe") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Short sync / delayed / delayed+EF trainings of your recipe on one device, then a verdict: "
+        "how much the one-step delay costs and how much Error Feedback recovers.",
+    )
+    parser.add_argument("--config", "-c", action="append", required=True,
+                        help="your recipe(s), as for `lightning-async fit` (repeatable; later ones win)")
+    parser.add_argument("--steps", type=int, default=200, help="optimizer steps per run (default 200)")
+    parser.add_argument("--seeds", type=int, default=1, help="number of seeds (default 1; 3 gives a spread)")
+    parser.add_argument("--seed", type=int, default=0, help="first seed (default 0)")
+    parser.add_argument("--ef-strength", type=float, help="EF strength of the delayed-ef run (default: the recipe's)")
+    parser.add_argument("--output", help="where runs and the report go (default probes/<recipe>-<steps>steps)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="CLI override (repeatable)")
+    parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    parser.add_argument("--verbose", "-v", action="store_true", help="stream each run's output")
+    return parser
+
+
+def probe_study(args: argparse.Namespace) -> Study:
+    if args.steps < 1:
+        raise StudyError("--steps must be >= 1")
+    if args.seeds < 1:
+        raise StudyError("--seeds must be >= 1")
+    stem = Path(args.config[-1]).stem
+    output = Path(args.output) if args.output else Path("probes") / f"{stem}-{args.steps}steps"
+    missing = [c for c in args.config if not Path(c).is_file()]
+    if missing and not args.dry_run:
+        raise StudyError(f"recipe file(s) not found: {', '.join(missing)}")
+    return Study(
+        name=f"probe-{stem}",
+        base=list(args.config),
+        optimizers=[None],
+        modes=list(PROBE_MODES),
+        seeds=list(range(args.seed, args.seed + args.seeds)),
+        max_steps=args.steps,
+        output=output,
+        overrides=parse_set(args.set),
+        ef_strengths=[args.ef_strength] if args.ef_strength is not None else None,
+        recipes_dir=find_recipes_dir(),
+    )
+
+
+def probe_main(argv: list[str] | None = None, *, runner: Runner | None = None) -> int:
+    """Entry point of ``lightning-async probe``: 0 verdict given, 1 runs failed / nothing to judge, 2 bad input."""
+    args = build_parser().parse_args(argv)
+    try:
+        study = probe_study(args)
+        result = run_study(study, runner=runner, dry_run=args.dry_run, compare=False, verbose=args.verbose)
+    except StudyError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    if args.dry_run:
+        return 0
+    try:
+        report = compare([study.runs_dir], study.compare_dir, skip_invalid=True,
+                         commands=[s.shell() for s in result.specs],
+                         warn=lambda m: print(f"warning: {m}", file=sys.stderr))
+    except CompareError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print("\n" + report.table())
+    lines = []
+    for row in report.rows:
+        v = verdict(row)
+        prefix = f"{row.label}: " if len(report.rows) > 1 else ""
+        lines += [prefix + v.text, confidence_statement(v)]
+    text = "\n".join(lines)
+    print("\n" + text)
+    (study.compare_dir / "verdict.md").write_text("# Probe verdict\n\n" + text.replace("\n", "\n\n") + "\n")
+    print(f"\nreport: {report.report}")
+    return 1 if result.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(probe_main())

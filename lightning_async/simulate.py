@@ -1,0 +1,460 @@
+"""``lightning-async simulate``: a planning table for pipeline depth, micro-batch count and schedule.
+
+For each stage count ``p`` and micro-batch count ``m`` the simulator (:mod:`lightning_async.pipeline.simulator`)
+runs 1F1B and 2BW and reports the steady per-batch time, the bubble, the throughput gain of 2BW over 1F1B and
+the extra memory 2BW (a second weight version) and 2BW with Error Feedback (one more parameter-sized buffer)
+cost on the most loaded stage.
+
+Stage costs are either given (``--forward-ms/--backward-ms`` per stage and micro-batch, ``--comm-ms`` per hop) or
+measured on the current device from a model config (``--model smollm2-135m --seq-len 2048``): one decoder block,
+the embedding and the LM head (with the loss) are timed forward and backward, the layers are split evenly over
+the stages (the first stage also holds the embedding, the last the head), and parameter and activation bytes are
+counted.
+
+Usage::
+
+    python -m lightning_async.simulate --forward-ms 10 --backward-ms 20
+    python -m lightning_async.simulate --model smollm2-135m --seq-len 2048 --device cpu --json plan.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+
+from lightning_async.pipeline.simulator import memory_model, simulate
+
+DEFAULT_STAGES = (4, 8, 16, 32, 64)
+DEFAULT_MULTIPLIERS = (1, 2, 4)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="lightning-async simulate",
+        description="Planning table: 1F1B vs PipeDream-2BW per-batch time, bubble and memory per pipeline shape.",
+    )
+    ap.add_argument("--stages", type=int, nargs="+", default=list(DEFAULT_STAGES), help="stage counts p")
+    ap.add_argument(
+        "--microbatches", type=int, nargs="+", default=list(DEFAULT_MULTIPLIERS), metavar="K",
+        help="micro-batches per batch as multiples of p: m = K * p (default 1 2 4)",
+    )
+    ap.add_argument("--batches", type=int, default=5, help="batches to simulate (steady state measured inside)")
+    given = ap.add_argument_group("given stage costs (per stage, per micro-batch)")
+    given.add_argument("--forward-ms", type=float, help="forward time of one stage")
+    given.add_argument("--backward-ms", type=float, help="backward time of one stage (default 2x forward)")
+    given.add_argument("--comm-ms", type=float, default=0.0, help="latency of one hop (activation or gradient)")
+    given.add_argument("--update-ms", type=float, default=0.0, help="optimizer step of one stage")
+    meas = ap.add_argument_group("measured stage costs")
+    meas.add_argument("--model", help="model config name (lightning_async.models.MODEL_CONFIGS), e.g. smollm2-135m")
+    meas.add_argument("--seq-len", type=int, default=2048)
+    meas.add_argument("--micro-batch-size", type=int, default=1)
+    meas.add_argument("--vocab-size", type=int, help="override the config's vocabulary size")
+    meas.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    meas.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    meas.add_argument("--reps", type=int, default=3, help="timed repetitions per unit after one warm-up (fastest kept)")
+    meas.add_argument(
+        "--head-tokens", type=int,
+        help="tokens to time the LM head on, scaled linearly to the sequence (default: 256 on CPU, all on GPU)",
+    )
+    meas.add_argument(
+        "--split", choices=["even", "balanced"], default="even",
+        help="layers per stage: even, or balanced on the measured cost (the LM head weighs several blocks)",
+    )
+    meas.add_argument("--link-gbps", type=float, help="derive --comm-ms from the boundary activation size")
+    meas.add_argument(
+        "--optimizer-states", type=float, default=2.0,
+        help="fp32 optimizer-state tensors per parameter (AdamW: 2, Muon: 1)",
+    )
+    ap.add_argument("--json", dest="json_path", help="write the table and the inputs as JSON")
+    return ap
+
+
+# ------------------------------------------------------------------------------------------------ measurement
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_unit(fn, device, reps: int, count_activations: bool = False, params=()) -> tuple[float, float, int]:
+    """Fastest forward and backward seconds of ``fn() -> backward_closure`` over ``reps`` timed runs (after one
+    warm-up run, which also counts the activation bytes saved for backward). The minimum, not the median: on a
+    shared machine, contention only ever adds time."""
+    import torch
+
+    param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in param_ptrs:
+            saved[st.data_ptr()] = st.nbytes()
+        return t
+
+    fwd, bwd = [], []
+    for i in range(reps + 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        if i == 0 and count_activations:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                backward = fn()
+        else:
+            backward = fn()
+        _sync(device)
+        t1 = time.perf_counter()
+        backward()
+        _sync(device)
+        t2 = time.perf_counter()
+        if i > 0:
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+        for p in params:
+            p.grad = None
+    return min(fwd), min(bwd), sum(saved.values())
+
+
+def measure_model(
+    name: str,
+    seq_len: int,
+    micro_batch_size: int = 1,
+    device: str = "cpu",
+    dtype: str = "float32",
+    reps: int = 3,
+    head_tokens: int | None = None,
+    vocab_size: int | None = None,
+) -> dict:
+    """Time and size one embedding, one decoder block and the LM head (with the loss) of ``name``.
+
+    Returns per-unit ``forward_s``, ``backward_s``, ``params`` (elements), ``param_bytes`` and ``activation_bytes``
+    (saved for backward, per micro-batch) for ``embed``, ``block`` and ``head``, plus ``boundary_bytes`` (the
+    activation sent between stages) and the measurement settings.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    from lightning_async.models import SmolLM2, model_config
+
+    cfg = model_config(name, vocab_size=vocab_size)
+    dev = torch.device(device)
+    dt = getattr(torch, dtype)
+    t_build = time.perf_counter()
+    with dev:
+        model = SmolLM2(cfg).to(dt)
+    t_build = time.perf_counter() - t_build
+    b, t, h, v = micro_batch_size, seq_len, cfg.hidden_size, cfg.vocab_size
+    if head_tokens is None:
+        head_tokens = t if dev.type == "cuda" else min(t, 256)
+    head_tokens = max(1, min(head_tokens, t))
+    head_scale = t / head_tokens
+    g = torch.Generator(device=dev).manual_seed(0)
+    ids = torch.randint(0, v, (b, t), device=dev, generator=g)
+    x = torch.randn(b, t, h, device=dev, dtype=dt, generator=g)
+    xh = torch.randn(b, head_tokens, h, device=dev, dtype=dt, generator=g)
+    targets = torch.randint(0, v, (b, head_tokens), device=dev, generator=g)
+
+    def embed_step():
+        out = model.embed(ids)
+        grad = torch.ones_like(out)
+        return lambda: out.backward(grad)
+
+    block = model.blocks[0]
+
+    def block_step():
+        inp = x.detach().requires_grad_()
+        out = block(inp)
+        grad = torch.ones_like(out)
+        return lambda: out.backward(grad)
+
+    def head_step():
+        inp = xh.detach().requires_grad_()
+        loss = F.cross_entropy(model.head(inp).float().reshape(-1, v), targets.reshape(-1))
+        return loss.backward
+
+    units = {}
+    for unit, module, fn in (("embed", model.embed, embed_step), ("block", block, block_step), ("head", model.head, head_step)):
+        params = list(module.parameters())
+        tf, tb, act = _time_unit(fn, dev, reps, count_activations=True, params=params)
+        scale = head_scale if unit == "head" else 1.0
+        numel = sum(p.numel() for p in params)  # the head counts the tied weight: each stage keeps its own copy
+        units[unit] = {
+            "forward_s": tf * scale,
+            "backward_s": tb * scale,
+            "params": numel,
+            "param_bytes": numel * torch.empty((), dtype=dt).element_size(),
+            "activation_bytes": int(act * scale),
+        }
+    elem = torch.empty((), dtype=dt).element_size()
+    return {
+        "model": name,
+        "num_layers": cfg.num_layers,
+        "hidden_size": h,
+        "vocab_size": v,
+        "seq_len": t,
+        "micro_batch_size": b,
+        "device": str(dev),
+        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "threads": torch.get_num_threads(),
+        "dtype": dtype,
+        "reps": reps,
+        "head_tokens": head_tokens,
+        "build_s": t_build,
+        "units": units,
+        "boundary_bytes": b * t * h * elem,
+        "element_bytes": elem,
+    }
+
+
+def split_layers(num_layers: int, p: int) -> list[int]:
+    """Layers per stage, as even as possible. Extra layers go to the middle stages first, then the first stage,
+    then the last (the first holds the embedding, the last the LM head)."""
+    if num_layers < p:
+        raise ValueError(f"{num_layers} layers cannot fill {p} stages (each stage needs at least one layer)")
+    counts = [num_layers // p] * p
+    order = list(range(1, p - 1)) + [0] + ([p - 1] if p > 1 else [])
+    for s in order[: num_layers % p]:
+        counts[s] += 1
+    return counts
+
+
+def balanced_layers(num_layers: int, p: int, block_cost: float, first_extra: float, last_extra: float) -> list[int]:
+    """Layers per stage (at least one each) minimising the slowest stage when the first stage also pays
+    ``first_extra`` (the embedding) and the last ``last_extra`` (the LM head)."""
+    if num_layers < p:
+        raise ValueError(f"{num_layers} layers cannot fill {p} stages (each stage needs at least one layer)")
+    extra = [0.0] * p
+    extra[0] += first_extra
+    extra[-1] += last_extra
+    block_cost = max(block_cost, 1e-12)
+    candidates = sorted({n * block_cost + e for e in extra for n in range(1, num_layers + 1)})
+    for target in candidates:
+        caps = [int((target - extra[s]) / block_cost + 1e-9) for s in range(p)]
+        if min(caps) >= 1 and sum(caps) >= num_layers:
+            break
+    surplus = sum(caps) - num_layers
+    while surplus > 0:  # take layers back from the most loaded stages first
+        s = max((s for s in range(p) if caps[s] > 1), key=lambda s: (caps[s] * block_cost + extra[s], -s))
+        caps[s] -= 1
+        surplus -= 1
+    return caps
+
+
+def stage_costs_from_measurement(meas: dict, p: int, optimizer_states: float, split: str = "even") -> dict:
+    """Per-stage forward/backward seconds and parameter, optimizer and activation bytes for ``p`` stages.
+
+    ``split``: ``even`` (:func:`split_layers`) or ``balanced`` (:func:`balanced_layers` on forward + backward time).
+    """
+    u = meas["units"]
+    if split == "balanced":
+        cost = {k: u[k]["forward_s"] + u[k]["backward_s"] for k in u}
+        layers = balanced_layers(meas["num_layers"], p, cost["block"], cost["embed"], cost["head"])
+    else:
+        layers = split_layers(meas["num_layers"], p)
+    out = {k: [] for k in ("layers", "forward_s", "backward_s", "params", "param_bytes", "optimizer_bytes", "activation_bytes")}
+    for s, n in enumerate(layers):
+        parts = [("block", n)] + ([("embed", 1)] if s == 0 else []) + ([("head", 1)] if s == p - 1 else [])
+        out["layers"].append(n)
+        for key in ("forward_s", "backward_s", "params", "param_bytes", "activation_bytes"):
+            out[key].append(sum(u[unit][key] * k for unit, k in parts))
+        out["optimizer_bytes"].append(int(optimizer_states * 4 * out["params"][-1]))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------ table
+
+
+def plan(
+    stages: Sequence[int],
+    multipliers: Sequence[int],
+    costs_for_p,
+    comm_s: float,
+    update_s: float,
+    num_batches: int,
+) -> tuple[list[dict], list[dict]]:
+    """Rows of the planning table. ``costs_for_p(p)`` returns the stage-cost dict or raises ``ValueError``."""
+    rows, skipped = [], []
+    for p in stages:
+        try:
+            costs = costs_for_p(p)
+        except ValueError as err:
+            skipped.append({"p": p, "reason": str(err)})
+            continue
+        for k in multipliers:
+            m = k * p
+            row = {"p": p, "m": m}
+            sims = {}
+            for schedule in ("1f1b", "2bw"):
+                r = simulate(
+                    schedule, p, m, num_batches, costs["forward_s"], costs["backward_s"], comm_s, update_s
+                )
+                sims[schedule] = r
+                row[schedule] = {
+                    "per_batch_s": r.per_batch_time,
+                    "bubble": r.bubble,
+                    "throughput_rel": r.throughput_rel,
+                    "peak_inflight": r.peak_inflight,
+                    "weight_versions": r.weight_versions,
+                }
+            row["ideal_per_batch_s"] = sims["2bw"].ideal_per_batch_time
+            row["gain_2bw_over_1f1b"] = sims["1f1b"].per_batch_time / sims["2bw"].per_batch_time
+            if costs.get("param_bytes") is not None:
+                mem = memory_model(
+                    costs["param_bytes"],
+                    costs["optimizer_bytes"],
+                    costs["activation_bytes"],
+                    inflight_sync=sims["1f1b"].peak_inflight,
+                    inflight_2bw=sims["2bw"].peak_inflight,
+                )
+                peak_sync = max(x.sync for x in mem)
+                peak_2bw = max(x.twobw for x in mem)
+                peak_ef = max(x.twobw_ef for x in mem)
+                row["memory"] = {
+                    "peak_1f1b_bytes": peak_sync,
+                    "peak_2bw_bytes": peak_2bw,
+                    "peak_2bw_ef_bytes": peak_ef,
+                    "2bw_extra_bytes": peak_2bw - peak_sync,
+                    "2bw_ef_extra_bytes": peak_ef - peak_sync,
+                    "per_stage": [
+                        {"1f1b": x.sync, "2bw": x.twobw, "2bw_ef": x.twobw_ef, "params": x.params} for x in mem
+                    ],
+                }
+            rows.append(row)
+    return rows, skipped
+
+
+def _fmt_time(s: float) -> str:
+    if s >= 1:
+        return f"{s:.2f} s"
+    return f"{s * 1e3:.1f} ms"
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def format_table(rows: list[dict]) -> str:
+    head = ["p", "m", "1F1B batch", "2BW batch", "bubble 1F1B", "bubble 2BW", "2BW gain", "2BW/limit"]
+    has_mem = any("memory" in r for r in rows)
+    if has_mem:
+        head += ["peak mem 1F1B", "+2BW", "+2BW+EF"]
+    lines = []
+    for r in rows:
+        cells = [
+            str(r["p"]),
+            str(r["m"]),
+            _fmt_time(r["1f1b"]["per_batch_s"]),
+            _fmt_time(r["2bw"]["per_batch_s"]),
+            f"{100 * r['1f1b']['bubble']:.1f}%",
+            f"{100 * r['2bw']['bubble']:.1f}%",
+            f"{r['gain_2bw_over_1f1b']:.2f}x",
+            f"{100 * r['2bw']['throughput_rel']:.0f}%",
+        ]
+        if has_mem:
+            mem = r.get("memory")
+            if mem:
+                base = mem["peak_1f1b_bytes"]
+                cells += [
+                    _fmt_bytes(base),
+                    f"+{_fmt_bytes(mem['2bw_extra_bytes'])} ({100 * mem['2bw_extra_bytes'] / base:.0f}%)",
+                    f"+{_fmt_bytes(mem['2bw_ef_extra_bytes'])} ({100 * mem['2bw_ef_extra_bytes'] / base:.0f}%)",
+                ]
+            else:
+                cells += ["-", "-", "-"]
+        lines.append(cells)
+    widths = [max(len(h), *(len(c[i]) for c in lines)) if lines else len(h) for i, h in enumerate(head)]
+    out = ["| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |"]
+    out.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    out += ["| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |" for cells in lines]
+    return "\n".join(out)
+
+
+def simulate_main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if (args.model is None) == (args.forward_ms is None):
+        print("error: give either --forward-ms (and optionally --backward-ms) or --model", file=sys.stderr)
+        return 2
+    stages = sorted(set(args.stages))
+    if any(p < 1 for p in stages) or any(k < 1 for k in args.microbatches):
+        print("error: --stages and --microbatches must be >= 1", file=sys.stderr)
+        return 2
+    update_s = args.update_ms / 1e3
+    meas, stage_costs = None, {}
+    if args.model is None:
+        tf = args.forward_ms / 1e3
+        tb = (args.backward_ms if args.backward_ms is not None else 2 * args.forward_ms) / 1e3
+        comm_s = args.comm_ms / 1e3
+
+        def costs_for_p(p):
+            return {"forward_s": [tf] * p, "backward_s": [tb] * p}
+
+        print(f"stage costs (given): forward {_fmt_time(tf)}, backward {_fmt_time(tb)}, hop {_fmt_time(comm_s)}")
+    else:
+        try:
+            meas = measure_model(
+                args.model, args.seq_len, args.micro_batch_size, args.device, args.dtype, max(args.reps, 1),
+                args.head_tokens, args.vocab_size,
+            )
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        comm_s = args.comm_ms / 1e3
+        if args.link_gbps:
+            comm_s = meas["boundary_bytes"] / (args.link_gbps * 1e9 / 8)
+        u = meas["units"]
+        print(
+            f"measured on {meas['device_name']} ({meas['threads']} threads, {meas['dtype']}): {args.model}, "
+            f"seq {meas['seq_len']} x micro-batch {meas['micro_batch_size']}, fastest of {meas['reps']}"
+        )
+        for unit in ("embed", "block", "head"):
+            d = u[unit]
+            print(
+                f"  {unit:5s} forward {_fmt_time(d['forward_s']):>9s}  backward {_fmt_time(d['backward_s']):>9s}  "
+                f"params {d['params'] / 1e6:7.2f}M  activations {_fmt_bytes(d['activation_bytes'])}"
+            )
+        if meas["head_tokens"] < meas["seq_len"]:
+            print(f"  (head timed on {meas['head_tokens']} tokens, scaled linearly to {meas['seq_len']})")
+        print(f"  {args.split} layer split; hop latency {_fmt_time(comm_s)}; optimizer states {args.optimizer_states:g} x fp32 per parameter")
+
+        def costs_for_p(p):
+            costs = stage_costs_from_measurement(meas, p, args.optimizer_states, args.split)
+            stage_costs[str(p)] = costs
+            return costs
+
+    rows, skipped = plan(stages, args.microbatches, costs_for_p, comm_s, update_s, args.batches)
+    print(format_table(rows))
+    for s in skipped:
+        print(f"skipped p={s['p']}: {s['reason']}")
+    print(
+        "batch = steady per-batch time; bubble = idle fraction of all stages in steady state; "
+        "2BW gain = 1F1B time / 2BW time; 2BW/limit = bubble-free limit (m x slowest stage) / 2BW time; memory = most loaded stage (weights, one gradient buffer, optimizer "
+        "state, peak in-flight activations)."
+    )
+    if args.json_path:
+        payload = {
+            "argv": list(argv) if argv is not None else sys.argv[1:],
+            "comm_s": comm_s,
+            "update_s": update_s,
+            "measurement": meas,
+            "stage_costs": stage_costs,
+            "rows": rows,
+            "skipped": skipped,
+        }
+        with open(args.json_path, "w") as f:
+            json.dump(payload, f, indent=2)
+    return 0
+
+
+def main() -> None:  # pragma: no cover - thin wrapper
+    raise SystemExit(simulate_main())
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

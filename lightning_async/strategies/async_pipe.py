@@ -1,0 +1,342 @@
+"""``AsyncPipelineStrategy``: PipeDream-2BW (and synchronous 1F1B/GPipe) pipelines in Lightning.
+
+Thin glue between Lightning and :class:`~lightning_async.pipeline.runtime.PipelineRuntime`:
+process groups (pipeline x data parallel), pruning the LightningModule to this rank's stage,
+logging the loss computed on the last stage, global-norm clipping, flushes before validation and
+checkpoints, and per-stage checkpoints. Launching, cluster environments (torchrun, SLURM) and the
+process-group connection are Lightning's own, inherited from ``DDPStrategy``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
+
+from lightning_async.optim.error_feedback import ErrorFeedbackCorrection
+from lightning_async.pipeline import schedules
+from lightning_async.pipeline.groups import make_pipeline_groups
+from lightning_async.pipeline.partition import partition_units
+from lightning_async.pipeline.runtime import PipelineRuntime, StageModule
+
+CONTRACT = ("pipeline_units", "pipeline_split_batch", "pipeline_loss")
+
+
+class NotOnThisStage(nn.Module):
+    """Placeholder for a pipeline unit that lives on another rank."""
+
+    def __init__(self, name: str, stage: int) -> None:
+        super().__init__()
+        self.unit, self.stage = name, stage
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(f"Pipeline unit {self.unit!r} lives on stage {self.stage}; call it through the pipeline.")
+
+    def extra_repr(self) -> str:
+        return f"{self.unit!r} on stage {self.stage}"
+
+
+def check_pipeline_contract(module: nn.Module) -> None:
+    missing = [name for name in CONTRACT if not callable(getattr(module, name, None))]
+    if missing:
+        raise TypeError(
+            f"{type(module).__name__} cannot be split into pipeline stages: it lacks {', '.join(missing)}. "
+            "Define pipeline_units() -> [(name, module), ...], pipeline_split_batch(batch) -> (inputs, targets) and "
+            "pipeline_loss(outputs, targets) -> loss (see docs/pipeline.md)."
+        )
+
+
+class AsyncPipelineStrategy(DDPStrategy):
+    """One process per pipeline stage; trains with PipeDream-2BW (``schedule="2bw"``) or flushing 1F1B/GPipe.
+
+    Args:
+        schedule: ``"2bw"`` (asynchronous, one-step delay), ``"1f1b"`` or ``"gpipe"`` (synchronous).
+        n_microbatches: micro-batches per batch (``>=`` stages for 2bw and 1f1b); default: 2 x stages.
+        pipeline_parallel_size: stages per pipeline; default: all processes (``data_parallel_size=1``).
+        data_parallel_size: pipeline replicas; gradients of each stage are averaged over replicas.
+        partition: ``"uniform"``, ``"parameters"``, ``"time"`` or the unit names where stages 1.. begin.
+        error_feedback: EF strength (2bw only); usually set by the ``ErrorFeedback`` callback.
+        extrapolate_weight_decay: whether EF extrapolates decoupled weight decay.
+        start_method: ``"popen"`` (re-run the script: CLI, torchrun, SLURM) or ``"spawn"`` (notebooks, tests).
+    """
+
+    strategy_name = "async_pipe"
+
+    def __init__(
+        self,
+        schedule: str = "2bw",
+        n_microbatches: int | None = None,
+        pipeline_parallel_size: int | None = None,
+        data_parallel_size: int | None = None,
+        partition: str | list[str] = "uniform",
+        error_feedback: float = 0.0,
+        extrapolate_weight_decay: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | int | None = 300,
+        start_method: str = "popen",
+        **kwargs: Any,
+    ) -> None:
+        if isinstance(timeout, (int, float)):
+            timeout = timedelta(seconds=timeout)
+        super().__init__(process_group_backend=process_group_backend, timeout=timeout, start_method=start_method, **kwargs)
+        if schedule not in schedules.SCHEDULES:
+            raise ValueError(f"Unknown pipeline schedule {schedule!r}. Choose one of: {', '.join(schedules.SCHEDULES)}.")
+        if error_feedback and schedule != "2bw":
+            raise ValueError(f"error_feedback needs the delayed schedule '2bw'; schedule {schedule!r} has no delay.")
+        self.schedule = schedule
+        self._n_microbatches = n_microbatches
+        self._pp_size, self._dp_size = pipeline_parallel_size, data_parallel_size
+        self.partition = partition
+        self.error_feedback = float(error_feedback)
+        self.extrapolate_weight_decay = extrapolate_weight_decay
+        self.runtime: PipelineRuntime | None = None
+        self.stage_units: list[list[str]] = []
+
+    # ---- mesh ---------------------------------------------------------------------------------
+    @property
+    def world(self) -> int:
+        return self.num_nodes * self.num_processes
+
+    @property
+    def pipeline_parallel_size(self) -> int:
+        if self._pp_size:
+            return self._pp_size
+        return self.world // (self._dp_size or 1)
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world // self.pipeline_parallel_size
+
+    @property
+    def n_microbatches(self) -> int:
+        return self._n_microbatches or 2 * self.pipeline_parallel_size
+
+    @property
+    def stage(self) -> int:
+        return self.global_rank % self.pipeline_parallel_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.global_rank // self.pipeline_parallel_size
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.data_parallel_size, "rank": self.data_parallel_rank}
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the module must be pruned to its stage before its weights are loaded
+
+    @property
+    def handles_gradient_accumulation(self) -> bool:
+        return True  # micro-batches are the accumulation
+
+    def validate_mesh(self) -> None:
+        """Every check that needs no communication; raised identically on every rank."""
+        pp, world = self.pipeline_parallel_size, self.world
+        if pp < 1 or world % pp or (self._dp_size and pp * self._dp_size != world):
+            raise ValueError(
+                f"Cannot arrange {world} processes as pipeline_parallel_size={self._pp_size} x "
+                f"data_parallel_size={self._dp_size}. Choose sizes whose product is the number of processes "
+                f"(devices x nodes = {world})."
+            )
+        schedules.validate(self.schedule, pp, self.n_microbatches)
+        backend = self._process_group_backend
+        if backend == "nccl" and self.root_device.type != "cuda":
+            raise ValueError(
+                "process_group_backend='nccl' needs CUDA tensors, but this run is on the CPU. "
+                "Use accelerator='gpu', or process_group_backend='gloo' on CPUs."
+            )
+        module = self.lightning_module
+        if module is not None:
+            check_pipeline_contract(module)
+            if self.partition != "time":  # time needs the model on its device; checked in setup
+                partition_units(list(module.pipeline_units()), pp, self.partition)
+
+    def setup_environment(self) -> None:
+        self.validate_mesh()
+        super().setup_environment()
+
+    # ---- setup --------------------------------------------------------------------------------
+    def configure_ddp(self) -> None:  # no DDP wrapper: gradients are reduced by the runtime
+        pass
+
+    def _prune(self, module: nn.Module, units: list[tuple[str, nn.Module]]) -> tuple[list[tuple[str, nn.Module]], list[str]]:
+        """Replace other stages' units by placeholders; return local units and cross-stage tied weights."""
+        stage_of = {name: s for s, names in enumerate(self.stage_units) for name in names}
+        owners: dict[int, set[int]] = {}
+        for name, unit in units:
+            for p in unit.parameters():
+                owners.setdefault(id(p), set()).add(stage_of[name])
+        local = [(n, u) for n, u in units if stage_of[n] == self.stage]
+        stage_module = StageModule(local)
+        tied = [n for n, p in stage_module.named_parameters() if len(owners[id(p)]) > 1]
+        for name, _ in units:
+            if stage_of[name] != self.stage:
+                module.set_submodule(name, NotOnThisStage(name, stage_of[name]))
+        return local, tied
+
+    def setup(self, trainer) -> None:
+        assert self.model is not None and self.accelerator is not None
+        module = self.lightning_module
+        check_pipeline_contract(module)
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                "accumulate_grad_batches must be 1 with a pipeline strategy: raise n_microbatches (and the batch size) instead."
+            )
+        self.accelerator.setup(trainer)
+        # Lightning 2.6 broadcasts a SIGTERM flag from rank 0 before every training batch. A blocking
+        # world collective per step would hold the stages in lockstep (and deadlock against the 2BW
+        # stream, where the stages are in different batches at the same moment); each rank receives
+        # the scheduler's SIGTERM itself, so the per-step broadcast is switched off.
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
+        if self.data_parallel_size == 1:
+            # Every stage must read the same batches in the same order as a single-device run (so the
+            # two can be compared step for step). Lightning would insert a shuffling DistributedSampler
+            # into training loaders; with one replica there is nothing to shard, so keep the user's.
+            trainer._accelerator_connector.use_distributed_sampler = False
+        units = list(module.pipeline_units())
+        example = getattr(module, "example_input_array", None)
+        if self.partition == "time" and example is None:
+            raise ValueError("partition='time' measures each unit on module.example_input_array: set it (a batch of inputs).")
+        stage_units = partition_units(units, self.pipeline_parallel_size, self.partition, example_input=example)
+        self.stage_units = self.broadcast(stage_units)  # measured times differ per rank: rank 0 decides
+        local, tied = self._prune(module, units)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        groups = make_pipeline_groups(self.global_rank, self.world, self.pipeline_parallel_size)
+        rank_zero_info(
+            f"async_pipe: schedule={self.schedule}, stages={self.pipeline_parallel_size}, replicas={self.data_parallel_size}, "
+            f"micro-batches={self.n_microbatches}; stage units: {self.stage_units}"
+        )
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            if len(self.optimizers) != 1:
+                raise ValueError("The pipeline strategy supports exactly one optimizer per stage (use the zoo's composite optimizers).")
+        self.setup_precision_plugin()
+        correction = None
+        if self.error_feedback:
+            correction = ErrorFeedbackCorrection(self.error_feedback, self.extrapolate_weight_decay)
+        optimizer = self.optimizers[0] if self.optimizers else torch.optim.SGD(StageModule(local).parameters(), lr=0.0)
+        clip = trainer.gradient_clip_val if trainer.state.fn == TrainerFn.FITTING else None
+        if clip and trainer.gradient_clip_algorithm not in (None, "norm"):
+            raise ValueError("The pipeline strategy clips by the global norm only: set gradient_clip_algorithm='norm'.")
+        self.runtime = PipelineRuntime(
+            StageModule(local),
+            optimizer,
+            self.schedule,
+            self.n_microbatches,
+            split_batch=module.pipeline_split_batch,
+            loss_fn=module.pipeline_loss,
+            groups=groups,
+            gradient_clip_val=clip,
+            error_feedback=correction,
+            tied_parameters=tied,
+            count_tied_in_norm=self.stage == 0,
+            autocast=self.precision_plugin.forward_context,
+            device=self.root_device,
+        )
+
+    # ---- steps --------------------------------------------------------------------------------
+    def _log_loss(self, split: str, loss: torch.Tensor | None, batch) -> None:
+        if loss is None:
+            return
+        module = self.lightning_module
+        if callable(getattr(module, "log_loss", None)):
+            module.log_loss(split, loss, batch)
+        else:
+            module.log(f"{split}/loss", loss, prog_bar=True)
+
+    def training_step(self, *args: Any, **kwargs: Any):
+        batch = args[0]
+        runtime = self.runtime
+        runtime.train_batch(batch)
+        done = runtime.batches_done - 1
+        # 2BW: the last stage finishes batch b's loss while the first stage already runs batch b+1,
+        # so the loss logged at step b is batch b-1's (waiting for batch b would re-create the bubble).
+        report = done - 1 if self.schedule == "2bw" else done
+        loss = runtime.collect_loss(report) if report >= 0 else None
+        self._log_loss("train", loss, batch)
+        return loss if loss is not None else torch.zeros((), device=self.root_device)
+
+    def backward(self, closure_loss: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return closure_loss  # backwards ran inside the pipeline
+
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
+        return closure()  # updates happen inside the pipeline, at each stage's batch boundary
+
+    def validation_step(self, *args: Any, **kwargs: Any):
+        loss = self.runtime.eval_batch(args[0])
+        self._log_loss("val", loss, args[0])
+        return loss
+
+    def test_step(self, *args: Any, **kwargs: Any):
+        loss = self.runtime.eval_batch(args[0])
+        self._log_loss("test", loss, args[0])
+        return loss
+
+    def predict_step(self, *args: Any, **kwargs: Any):
+        raise NotImplementedError("predict is not supported by the pipeline strategy; load the checkpoint into the plain module.")
+
+    def on_train_end(self) -> None:
+        if self.runtime is not None:
+            self.runtime.drain()
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self.runtime is not None:
+            self.runtime.drain()  # apply pending updates before the weights are read
+        return self.lightning_module.state_dict()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options=None) -> None:
+        """A directory with one file per stage (``stage-NN.ckpt``) plus ``meta.json``."""
+        filepath = str(filepath)
+        if self.data_parallel_rank == 0:
+            os.makedirs(filepath, exist_ok=True)
+            if self.runtime is not None:
+                checkpoint["pipeline_runtime"] = self.runtime.state_dict()
+            checkpoint["pipeline"] = {"stage": self.stage, "stages": self.pipeline_parallel_size, "units": self.stage_units}
+            self.checkpoint_io.save_checkpoint(checkpoint, os.path.join(filepath, f"stage-{self.stage:02d}.ckpt"))
+            if self.stage == 0:
+                meta = {"stages": self.pipeline_parallel_size, "units": self.stage_units, "schedule": self.schedule}
+                with open(os.path.join(filepath, "meta.json"), "w") as f:
+                    json.dump(meta, f, indent=1)
+        self.barrier("save_checkpoint")
+
+    def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict[str, Any]:
+        path = str(checkpoint_path)
+        if not os.path.isdir(path):
+            raise ValueError(f"{path} is not a pipeline checkpoint directory (expected stage-NN.ckpt files inside).")
+        with open(os.path.join(path, "meta.json")) as f:
+            meta = json.load(f)
+        if meta["stages"] != self.pipeline_parallel_size:
+            raise ValueError(
+                f"Checkpoint {path} has {meta['stages']} stages, this run has {self.pipeline_parallel_size}. "
+                "Resume with the same pipeline_parallel_size, or consolidate it with lightning_async.pipeline.checkpoint."
+            )
+        return self.checkpoint_io.load_checkpoint(os.path.join(path, f"stage-{self.stage:02d}.ckpt"), weights_only=False)
+
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
+        if self.runtime is not None and "pipeline_runtime" in checkpoint:
+            self.runtime.load_state_dict(checkpoint["pipeline_runtime"])
+
+    def remove_checkpoint(self, filepath) -> None:
+        if self.global_rank == 0 and os.path.isdir(str(filepath)):
+            shutil.rmtree(str(filepath))
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        strategy_registry.register("async_pipe", cls, description="PipeDream-2BW pipeline (asynchronous)", schedule="2bw")
+        strategy_registry.register("sync_pipe", cls, description="1F1B pipeline with a flush per step", schedule="1f1b")
+        strategy_registry.register("gpipe_pipe", cls, description="GPipe pipeline with a flush per step", schedule="gpipe")
+

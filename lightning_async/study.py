@@ -1,0 +1,709 @@
+"""``lightning-async study``: run a matrix of trainings (optimizers x modes x lrs x seeds), then compare.
+
+A study YAML (see ``recipes/study/*.yaml`` and ``docs/compare.md``)::
+
+    name: quickstart                     # default: the file's stem
+    base: [recipes/quickstart.yaml]      # recipes every run starts from (later ones win)
+    optimizers: [adamw, muon]            # each adds recipes/optimizers/<name>.yaml if it exists
+    modes: [sync, delayed, delayed-ef]   # sync | delayed | delayed-ef | async_pipe | sync_pipe
+    lrs: {adamw: [1e-3, 3e-3]}           # optional: a number, a list, or per optimizer
+    seeds: [0, 1]                        # a list, or an int N meaning 0..N-1 (default [0])
+    max_steps: 200                       # optional --trainer.max_steps
+    output: studies/quickstart           # default studies/<name>
+    overrides: ["--data.source", "text"] # extra CLI args (a list) or {key: value}
+    ef_strengths: [0.5, 1.0]             # optional ablation of the delayed-ef modes
+    delays: [1, 2]                       # optional ablation of the delayed modes
+
+Runs go to ``<output>/runs/<run name>/`` (run name ``{optimizer}-{mode}-lr{lr}-s{seed}``, the lr part
+only when ``lrs`` is given), the log of each run to ``<output>/logs/<run name>.log``, the report to
+``<output>/compare/``. A run whose dir holds ``DONE`` is skipped; a dir without ``DONE`` is a
+half-finished run: it is removed and the run starts over. So rerunning the same command after an
+interruption resumes the study.
+
+The function that executes one run is injectable (``run_study(..., runner=...)``): the default
+launches ``lightning-async fit ...`` as a subprocess; tests pass a function that writes a fake run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+#: The seven optimizers of the paper's comparison, always accepted.
+KNOWN_OPTIMIZERS = ("adamw", "muon", "normuon", "adan", "soap", "lion", "mars")
+
+#: study mode -> (recipe file relative to the recipes dir, mode as the run logs it, EF on)
+MODES: dict[str, tuple[str, str, bool]] = {
+    "sync": ("modes/sync.yaml", "sync", False),
+    "delayed": ("modes/delayed.yaml", "delayed", False),
+    "delayed-ef": ("modes/delayed-ef.yaml", "delayed", True),
+    "async_pipe": ("pipeline/async.yaml", "async_pipe", False),
+    "sync_pipe": ("pipeline/sync.yaml", "sync_pipe", False),
+}
+DELAYED_STUDY_MODES = ("delayed", "delayed-ef", "async_pipe")
+STUDY_KEYS = (
+    "name", "description", "base", "optimizers", "modes", "lrs", "seeds", "max_steps", "output", "overrides",
+    "ef_strengths", "delays", "ef_strength_key", "delay_key", "launcher",
+)
+DEFAULT_EF_STRENGTH_KEY = "error_feedback.strength"
+DEFAULT_DELAY_KEY = "delay.delay"
+COMMAND_FILE = "STUDY_COMMAND.json"  # written into a finished run dir: the args that produced it
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def validation_interval(max_steps: int, evaluations: int = 5) -> int:
+    """Smallest divisor of ``max_steps`` giving at most ``evaluations`` validations; the last lands on the final step."""
+    for interval in range(max(1, -(-max_steps // evaluations)), max_steps + 1):
+        if max_steps % interval == 0:
+            return interval
+    return max_steps
+
+
+class StudyError(ValueError):
+    """A study file or command line that cannot run; the message says what is wrong and what is valid."""
+
+
+def valid_optimizers(recipes_dir: Path | None = None) -> list[str]:
+    """Known optimizers: the paper's seven, the zoo's names, and any ``recipes/optimizers/*.yaml``."""
+    names = set(KNOWN_OPTIMIZERS)
+    try:
+        from lightning_async.optim import OPTIMIZER_NAMES
+
+        names.update(OPTIMIZER_NAMES)
+    except Exception:  # noqa: BLE001 - the zoo is optional for validation
+        pass
+    recipes_dir = recipes_dir or find_recipes_dir()
+    if recipes_dir is not None and (recipes_dir / "optimizers").is_dir():
+        names.update(p.stem for p in (recipes_dir / "optimizers").glob("*.yaml"))
+    return sorted(names)
+
+
+def find_recipes_dir() -> Path | None:
+    """``./recipes`` if present, else the repository's ``recipes/`` next to the package."""
+    for candidate in (Path("recipes"), REPO_ROOT / "recipes"):
+        if candidate.is_dir():
+            return candidate
+    return None
+
+
+def default_launcher() -> list[str]:
+    """``lightning-async`` when the console script is installed, else ``python -m lightning_async.cli``."""
+    exe = shutil.which("lightning-async")
+    if exe:
+        return ["lightning-async"]
+    return [sys.executable, "-m", "lightning_async.cli"]
+
+
+def _fmt_lr(lr: float) -> str:
+    return f"{lr:g}"
+
+
+def _fmt_time(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
+
+
+@dataclass
+class RunSpec:
+    """One run of the matrix: its identity, where it writes, and the command that trains it."""
+
+    name: str
+    optimizer: str | None
+    mode: str  # study mode (sync, delayed, delayed-ef, async_pipe, sync_pipe)
+    lr: float | None
+    seed: int | None
+    ef_strength: float | None  # None: the recipe's default
+    delay: int | None  # None: the recipe's default
+    run_dir: Path
+    log_path: Path
+    command: list[str]
+    max_steps: int | None = None
+
+    @property
+    def logged_mode(self) -> str:
+        """The ``mode`` the run records in ``hparams.yaml``."""
+        return MODES[self.mode][1]
+
+    @property
+    def uses_ef(self) -> bool:
+        return MODES[self.mode][2]
+
+    @property
+    def done(self) -> bool:
+        """Finished (``DONE``) by this very command (a run finished with other arguments is not done)."""
+        return (self.run_dir / "DONE").exists() and not self.stale
+
+    @property
+    def train_args(self) -> list[str]:
+        """The command without its launcher (what decides the result; the launcher path may move)."""
+        return self.command[self.command.index("fit"):] if "fit" in self.command else list(self.command)
+
+    @property
+    def stale(self) -> bool:
+        """True when the run dir records a different command than this spec's (e.g. other max_steps)."""
+        record = self.run_dir / COMMAND_FILE
+        if not record.is_file():
+            return False
+        try:
+            return json.loads(record.read_text()) != self.train_args
+        except ValueError:
+            return True
+
+    def record_command(self) -> None:
+        if self.run_dir.is_dir():
+            (self.run_dir / COMMAND_FILE).write_text(json.dumps(self.train_args))
+
+    def shell(self) -> str:
+        return shlex.join(self.command)
+
+
+Runner = Callable[[RunSpec], int]
+
+
+@dataclass
+class Study:
+    """A parsed, validated study."""
+
+    name: str
+    base: list[str]
+    optimizers: list[str | None]
+    modes: list[str]
+    lrs: dict[str | None, list[float | None]] = field(default_factory=dict)
+    seeds: list[int | None] = field(default_factory=lambda: [0])
+    max_steps: int | None = None
+    output: Path = Path("studies/study")
+    overrides: list[str] = field(default_factory=list)
+    ef_strengths: list[float] | None = None
+    delays: list[int] | None = None
+    ef_strength_key: str = DEFAULT_EF_STRENGTH_KEY
+    delay_key: str = DEFAULT_DELAY_KEY
+    launcher: list[str] | None = None
+    extra_configs: list[str] = field(default_factory=list)
+    recipes_dir: Path | None = None
+    description: str = ""
+
+    @property
+    def runs_dir(self) -> Path:
+        return self.output / "runs"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.output / "logs"
+
+    @property
+    def compare_dir(self) -> Path:
+        return self.output / "compare"
+
+    # ---- matrix -----------------------------------------------------------------------------
+    def recipe(self, relative: str) -> Path | None:
+        if self.recipes_dir is None:
+            return None
+        path = self.recipes_dir / relative
+        return path if path.is_file() else None
+
+    def mode_recipe(self, mode: str) -> Path:
+        rel = MODES[mode][0]
+        found = self.recipe(rel)
+        return found if found is not None else (self.recipes_dir or Path("recipes")) / rel
+
+    def missing_files(self) -> list[str]:
+        missing = [b for b in self.base + self.extra_configs if not Path(b).is_file()]
+        missing += [str(self.mode_recipe(m)) for m in self.modes if not self.mode_recipe(m).is_file()]
+        return missing
+
+    def run_name(self, optimizer, mode, lr, seed, ef_strength, delay) -> str:
+        parts = [optimizer] if optimizer else []
+        parts.append(mode)
+        if delay is not None and self.delays is not None and len(self.delays) > 1:
+            parts.append(f"d{delay}")
+        if ef_strength is not None and self.ef_strengths is not None and len(self.ef_strengths) > 1:
+            parts.append(f"ef{ef_strength:g}")
+        if lr is not None:
+            parts.append(f"lr{_fmt_lr(lr)}")
+        parts.append(f"s{seed}" if seed is not None else "snone")
+        return "-".join(parts)
+
+    def command(self, optimizer, mode, lr, seed, ef_strength, delay, name) -> list[str]:
+        cmd = list(self.launcher or default_launcher()) + ["fit"]
+        for config in self.base:
+            cmd += ["--config", str(config)]
+        if optimizer:
+            opt_recipe = self.recipe(f"optimizers/{optimizer}.yaml")
+            if opt_recipe is not None:
+                cmd += ["--config", str(opt_recipe)]
+        cmd += ["--config", str(self.mode_recipe(mode))]
+        for config in self.extra_configs:
+            cmd += ["--config", str(config)]
+        if seed is not None:
+            cmd += ["--seed_everything", str(seed)]
+        if optimizer:
+            cmd += ["--model.optimizer", optimizer]
+        if lr is not None:
+            cmd += ["--model.lr", _fmt_lr(lr)]
+        if delay is not None:
+            cmd += [f"--{self.delay_key}", str(delay)]
+        if ef_strength is not None:
+            cmd += [f"--{self.ef_strength_key}", f"{ef_strength:g}"]
+        if self.max_steps is not None:
+            cmd += ["--trainer.max_steps", str(self.max_steps)]
+            cmd += ["--trainer.val_check_interval", str(validation_interval(self.max_steps))]
+        cmd += [
+            "--trainer.logger.init_args.save_dir", str(self.output),
+            "--trainer.logger.init_args.name", "runs",
+            "--trainer.logger.init_args.version", name,
+        ]
+        return cmd + list(self.overrides)
+
+    def expand(self) -> list[RunSpec]:
+        """Every run of the matrix, seeds outermost (so a partial study has whole seeds)."""
+        specs: list[RunSpec] = []
+        for seed in self.seeds:
+            for optimizer in self.optimizers:
+                for lr in self.lrs.get(optimizer, self.lrs.get(None, [None])):
+                    for mode in self.modes:
+                        delayed = mode in ("delayed", "delayed-ef")
+                        delays = self.delays if (self.delays is not None and delayed) else [None]
+                        efs = self.ef_strengths if (self.ef_strengths is not None and mode == "delayed-ef") else [None]
+                        for delay in delays:
+                            for ef in efs:
+                                name = self.run_name(optimizer, mode, lr, seed, ef, delay)
+                                specs.append(RunSpec(
+                                    name=name, optimizer=optimizer, mode=mode, lr=lr, seed=seed, ef_strength=ef,
+                                    delay=delay, run_dir=self.runs_dir / name, log_path=self.logs_dir / f"{name}.log",
+                                    command=self.command(optimizer, mode, lr, seed, ef, delay, name),
+                                    max_steps=self.max_steps,
+                                ))
+        names = [s.name for s in specs]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise StudyError(f"study {self.name}: duplicate run names {duplicates} (repeated optimizer/lr/seed?)")
+        return specs
+
+
+# ---- parsing ----------------------------------------------------------------------------------
+def _as_list(value: Any, what: str) -> list:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    if isinstance(value, (str, int, float)):
+        return [value]
+    raise StudyError(f"{what}: expected a list, got {type(value).__name__}")
+
+
+def _floats(values: Any, what: str) -> list[float]:
+    out = []
+    for v in _as_list(values, what):
+        try:
+            out.append(float(v))
+        except (TypeError, ValueError):
+            raise StudyError(f"{what}: {v!r} is not a number") from None
+    return out
+
+
+def _resolve_file(raw: str, study_dir: Path | None) -> str:
+    """A recipe path as given if it exists (relative to the cwd), else next to the study file or the repo."""
+    path = Path(raw).expanduser()
+    if path.is_absolute() or path.exists():
+        return str(path)
+    for root in [study_dir, REPO_ROOT]:
+        if root is not None and (root / path).exists():
+            return str(root / path)
+    return str(path)
+
+
+def _overrides(value: Any, what: str = "overrides") -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, dict):
+        return [f"--{str(k).lstrip('-')}={_scalar(v)}" for k, v in value.items()]
+    if isinstance(value, (list, tuple)):
+        return [str(v) for v in value]
+    if isinstance(value, str):
+        return shlex.split(value)
+    raise StudyError(f"{what}: expected a list of CLI args or a mapping key: value")
+
+
+def _scalar(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    return str(value)
+
+
+def parse_set(items: Sequence[str]) -> list[str]:
+    """``key=value`` pairs from ``--set`` as CLI args ``--key=value``."""
+    out = []
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise StudyError(f"--set {item!r}: expected key=value (e.g. --set data.path=corpus.txt)")
+        out.append(f"--{key.strip().lstrip('-')}={value}")
+    return out
+
+
+def study_from_dict(
+    data: dict[str, Any], *, name: str = "study", study_dir: Path | None = None, recipes_dir: Path | None = None
+) -> Study:
+    """Validate a study mapping (unknown optimizer/mode/key -> :class:`StudyError` listing valid ones)."""
+    if not isinstance(data, dict):
+        raise StudyError("a study file must be a mapping (base, optimizers, modes, ...)")
+    unknown = sorted(set(data) - set(STUDY_KEYS))
+    if unknown:
+        raise StudyError(f"unknown study key(s) {', '.join(unknown)}; valid keys: {', '.join(STUDY_KEYS)}")
+    recipes_dir = recipes_dir or find_recipes_dir()
+    name = str(data.get("name") or name)
+
+    optimizers = [str(o) for o in _as_list(data.get("optimizers"), "optimizers")]
+    if not optimizers:
+        raise StudyError(f"study {name}: 'optimizers' is empty; valid: {', '.join(valid_optimizers(recipes_dir))}")
+    valid = valid_optimizers(recipes_dir)
+    bad = [o for o in optimizers if o not in valid]
+    if bad:
+        raise StudyError(f"study {name}: unknown optimizer(s) {', '.join(bad)}; valid optimizers: {', '.join(valid)}")
+
+    modes = [str(m) for m in _as_list(data.get("modes", ["sync", "delayed", "delayed-ef"]), "modes")]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise StudyError(f"study {name}: unknown mode(s) {', '.join(bad)}; valid modes: {', '.join(MODES)}")
+    if not modes:
+        raise StudyError(f"study {name}: 'modes' is empty; valid modes: {', '.join(MODES)}")
+
+    raw_lrs = data.get("lrs")
+    lrs: dict[str | None, list[float | None]] = {}
+    if isinstance(raw_lrs, dict):
+        bad = [k for k in raw_lrs if k not in optimizers]
+        if bad:
+            raise StudyError(f"study {name}: lrs given for {', '.join(map(str, bad))}, not in optimizers {optimizers}")
+        lrs = {str(k): _floats(v, f"lrs.{k}") or [None] for k, v in raw_lrs.items()}
+    elif raw_lrs is not None:
+        lrs = {None: _floats(raw_lrs, "lrs") or [None]}
+
+    raw_seeds = data.get("seeds", [0])
+    if isinstance(raw_seeds, int) and not isinstance(raw_seeds, bool):
+        if raw_seeds < 1:
+            raise StudyError(f"study {name}: seeds: {raw_seeds} (an int N means seeds 0..N-1; N >= 1)")
+        seeds: list[int | None] = list(range(raw_seeds))
+    else:
+        seeds = []
+        for s in _as_list(raw_seeds, "seeds"):
+            if s is not None and (isinstance(s, bool) or not isinstance(s, int)):
+                raise StudyError(f"study {name}: seed {s!r} is not an integer")
+            seeds.append(s)
+        seeds = seeds or [0]
+    if len(set(seeds)) != len(seeds):
+        raise StudyError(f"study {name}: repeated seeds {seeds}")
+
+    max_steps = data.get("max_steps")
+    if max_steps is not None and (not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps < 1):
+        raise StudyError(f"study {name}: max_steps must be a positive integer, got {max_steps!r}")
+
+    ef_strengths = _floats(data["ef_strengths"], "ef_strengths") if data.get("ef_strengths") is not None else None
+    if ef_strengths is not None and any(e <= 0 for e in ef_strengths):
+        raise StudyError(f"study {name}: ef_strengths must be > 0 (the sync/delayed modes cover EF off)")
+    delays = None
+    if data.get("delays") is not None:
+        delays = [int(d) for d in _floats(data["delays"], "delays")]
+        if any(d < 1 for d in delays):
+            raise StudyError(f"study {name}: delays must be >= 1 (sync covers delay 0)")
+
+    base = [_resolve_file(str(b), study_dir) for b in _as_list(data.get("base"), "base")]
+    launcher = data.get("launcher")
+    if launcher is not None:
+        launcher = shlex.split(launcher) if isinstance(launcher, str) else [str(x) for x in launcher]
+    return Study(
+        name=name,
+        description=str(data.get("description") or ""),
+        base=base,
+        optimizers=list(optimizers),
+        modes=modes,
+        lrs=lrs,
+        seeds=seeds,
+        max_steps=max_steps,
+        output=Path(data.get("output") or Path("studies") / name),
+        overrides=_overrides(data.get("overrides")),
+        ef_strengths=ef_strengths,
+        delays=delays,
+        ef_strength_key=str(data.get("ef_strength_key") or DEFAULT_EF_STRENGTH_KEY),
+        delay_key=str(data.get("delay_key") or DEFAULT_DELAY_KEY),
+        launcher=launcher,
+        recipes_dir=recipes_dir,
+    )
+
+
+def load_study(path: str | os.PathLike, *, recipes_dir: Path | None = None) -> Study:
+    path = Path(path)
+    if not path.is_file():
+        raise StudyError(f"study file {path} not found (see recipes/study/*.yaml)")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise StudyError(f"study file {path}: not valid YAML: {err}") from None
+    return study_from_dict(data, name=path.stem, study_dir=path.parent, recipes_dir=recipes_dir)
+
+
+# ---- running ----------------------------------------------------------------------------------
+def subprocess_runner(spec: RunSpec, *, verbose: bool = False) -> int:
+    """Run one training as a subprocess; its output goes to ``spec.log_path`` (and the terminal if verbose)."""
+    spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with open(spec.log_path, "w") as log:
+        log.write("$ " + spec.shell() + "\n\n")
+        log.flush()
+        proc = subprocess.Popen(spec.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                log.write(line)
+                if verbose:
+                    sys.stdout.write(line)
+            return proc.wait()
+        except BaseException:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            raise
+
+
+#: gap (async - sync) of the synthetic runner, by optimizer: AdamW and MARS hurt, the others barely
+_FAKE_GAPS = {"adamw": 0.28, "mars": 0.2}
+
+
+def synthetic_runner(spec: RunSpec) -> int:
+    """A stand-in for training (``--fake``): writes a run dir that follows the run conventions, with
+    made-up losses (sync 2.6; async + 0.28 for AdamW/MARS, + 0.015 otherwise; EF recovers 75%; a
+    small seed effect). Rehearses a study's bookkeeping and report in seconds."""
+    from lightning_async.compare.synthetic import write_fake_run
+
+    seed = spec.seed or 0
+    final = 2.6 + 0.004 * ((seed * 7919) % 5 - 2)
+    if spec.mode != "sync" and spec.mode != "sync_pipe":
+        gap = _FAKE_GAPS.get(spec.optimizer or "", 0.015) * (spec.delay or 1)
+        final += gap * (0.25 if spec.uses_ef else 1.0)
+    steps = spec.max_steps or 100
+    curve = {int(steps * f): final + 2.0 * (1 - f) ** 2 for f in (0.25, 0.5, 0.75, 1.0)}
+    spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+    spec.log_path.write_text("$ " + spec.shell() + "\n(synthetic run: nothing trained)\n")
+    write_fake_run(
+        spec.run_dir, optimizer=spec.optimizer or "adamw", mode=spec.logged_mode,
+        ef_strength=(spec.ef_strength or 1.0) if spec.uses_ef else 0.0, delay=spec.delay, seed=spec.seed, lr=spec.lr,
+        val_loss=curve, done={"synthetic": True},
+    )
+    return 0
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+@dataclass
+class StudyResult:
+    specs: list[RunSpec]
+    ran: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    compare_result: Any = None
+    compare_error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed and self.compare_error is None
+
+
+def run_study(
+    study: Study,
+    *,
+    runner: Runner | None = None,
+    dry_run: bool = False,
+    compare: bool = True,
+    fail_fast: bool = False,
+    verbose: bool = False,
+    paper: bool = False,
+    print_fn: Callable[[str], None] = print,
+    clock: Callable[[], float] = time.monotonic,
+) -> StudyResult:
+    """Run every missing run of ``study`` in order, then ``compare`` the runs dir.
+
+    ``runner(spec) -> exit status`` executes one run (default: :func:`subprocess_runner`).
+    Finished runs (``DONE`` present) are skipped; half-finished run dirs are removed first.
+    ``KeyboardInterrupt`` propagates after a note on how to resume.
+    """
+    specs = study.expand()
+    result = StudyResult(specs=specs)
+    total = len(specs)
+    if dry_run:
+        print_fn(f"study {study.name}: {total} runs -> {study.output}")
+        for i, spec in enumerate(specs, 1):
+            state = "done, skip" if spec.done else (
+                "stale, rerun" if spec.stale else ("partial, restart" if spec.run_dir.exists() else "todo"))
+            print_fn(f"[{i}/{total}] {spec.name} ({state})\n  {spec.shell()}")
+        missing = study.missing_files()
+        if missing:
+            print_fn("warning: recipe files not found (yet): " + ", ".join(missing))
+        return result
+    if runner is None:
+        missing = study.missing_files()
+        if missing:
+            raise StudyError("recipe files not found: " + ", ".join(missing) + " (run from the repository root?)")
+
+        def runner(spec: RunSpec) -> int:
+            return subprocess_runner(spec, verbose=verbose)
+
+    study.runs_dir.mkdir(parents=True, exist_ok=True)
+    todo = [s for s in specs if not s.done]
+    print_fn(f"study {study.name}: {total} runs, {total - len(todo)} already done, {len(todo)} to run -> {study.output}")
+    start = clock()
+    durations: list[float] = []
+    remaining = len(todo)
+    for i, spec in enumerate(specs, 1):
+        if spec.done:
+            result.skipped.append(spec.name)
+            print_fn(f"[{i}/{total}] {spec.name}: done, skipped")
+            continue
+        if spec.run_dir.exists():
+            why = "finished with different arguments" if spec.stale else "half-finished"
+            print_fn(f"[{i}/{total}] {spec.name}: removing {why} run {spec.run_dir}")
+            shutil.rmtree(spec.run_dir)
+        print_fn(f"[{i}/{total}] {spec.name}: running (log: {spec.log_path})")
+        t0 = clock()
+        try:
+            rc = runner(spec)
+        except KeyboardInterrupt:
+            print_fn(f"interrupted during {spec.name}; rerun the same command to resume (finished runs are kept)")
+            raise
+        durations.append(clock() - t0)
+        remaining -= 1
+        eta = (sum(durations) / len(durations)) * remaining
+        status = "ok"
+        if rc != 0:
+            status = f"FAILED (exit {rc})"
+        elif not spec.done:
+            status = "FAILED (exited 0 but wrote no DONE file)"
+        if status != "ok":
+            result.failed.append(spec.name)
+            if spec.log_path.exists():
+                print_fn(f"--- last lines of {spec.log_path} ---\n{_tail(spec.log_path)}\n---")
+        else:
+            result.ran.append(spec.name)
+            spec.record_command()
+        print_fn(
+            f"[{i}/{total}] {spec.name}: {status} in {_fmt_time(durations[-1])} "
+            f"(elapsed {_fmt_time(clock() - start)}, ETA {_fmt_time(eta)})"
+        )
+        if status != "ok" and fail_fast:
+            print_fn("stopping at the first failure (--fail-fast)")
+            break
+    if result.failed:
+        print_fn(f"{len(result.failed)} run(s) failed: {', '.join(result.failed)}; rerun to retry them")
+    if compare:
+        from lightning_async.compare import CompareError
+        from lightning_async.compare import compare as run_compare
+
+        commands = [f"lightning-async compare {shlex.quote(str(study.runs_dir))} --output "
+                    f"{shlex.quote(str(study.compare_dir))}"] + [s.shell() for s in specs]
+        try:
+            result.compare_result = run_compare(
+                [study.runs_dir], study.compare_dir, paper=paper, commands=commands, skip_invalid=True,
+                warn=lambda m: print_fn(f"warning: {m}"),
+            )
+        except CompareError as err:
+            result.compare_error = str(err)
+            print_fn(f"compare: {err}")
+        else:
+            print_fn("\n" + result.compare_result.table(paper=paper))
+            print_fn(f"\nreport: {result.compare_result.report}")
+    return result
+
+
+def build_parser(prog: str = "lightning-async study") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Run a matrix of trainings (optimizers x modes x lrs x seeds) one after another, skipping "
+        "finished runs, then compare them. See recipes/study/*.yaml and docs/compare.md.",
+    )
+    parser.add_argument("--config", "-c", required=True, help="study YAML (e.g. recipes/study/quickstart.yaml)")
+    parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    parser.add_argument("--data-override", action="append", default=[], metavar="FILE.yaml",
+                        help="extra config added after the recipes of every run (e.g. a data section)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="CLI override for every run, e.g. --set data.path=corpus.txt (repeatable)")
+    parser.add_argument("--output", help="override the study's output dir")
+    parser.add_argument("--max-steps", type=int, help="override the study's max_steps")
+    parser.add_argument("--seeds", type=int, nargs="+", help="override the study's seeds")
+    parser.add_argument("--only", nargs="+", metavar="OPTIMIZER", help="run only these optimizers of the study")
+    parser.add_argument("--no-compare", action="store_true", help="do not run compare at the end")
+    parser.add_argument("--paper", action="store_true", help="add the paper's numbers to the report")
+    parser.add_argument("--fail-fast", action="store_true", help="stop at the first failed run")
+    parser.add_argument("--verbose", "-v", action="store_true", help="stream each run's output")
+    parser.add_argument("--fake", action="store_true",
+                        help="rehearsal: write synthetic runs instead of training (check bookkeeping and report)")
+    return parser
+
+
+def study_from_args(args: argparse.Namespace) -> Study:
+    study = load_study(args.config)
+    if args.output:
+        study.output = Path(args.output)
+    if args.max_steps is not None:
+        study.max_steps = args.max_steps
+    if args.seeds:
+        study.seeds = list(dict.fromkeys(args.seeds))
+    if args.only:
+        bad = [o for o in args.only if o not in study.optimizers]
+        if bad:
+            raise StudyError(f"--only {' '.join(bad)}: not in the study's optimizers {study.optimizers}")
+        study.optimizers = [o for o in study.optimizers if o in args.only]
+    for extra in args.data_override:
+        if not Path(extra).is_file():
+            raise StudyError(f"--data-override {extra}: file not found")
+        study.extra_configs.append(extra)
+    study.overrides = study.overrides + parse_set(args.set)
+    return study
+
+
+def study_main(argv: list[str] | None = None, *, runner: Runner | None = None) -> int:
+    """Entry point of ``lightning-async study``: 0 all ran and compared, 1 some run failed, 2 bad input,
+    130 interrupted."""
+    args = build_parser().parse_args(argv)
+    if args.fake and runner is None:
+        runner = synthetic_runner
+    try:
+        study = study_from_args(args)
+        result = run_study(
+            study, runner=runner, dry_run=args.dry_run, compare=not args.no_compare, fail_fast=args.fail_fast,
+            verbose=args.verbose, paper=args.paper,
+        )
+    except StudyError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    if args.dry_run:
+        return 0
+    if result.failed:
+        return 1
+    return 0 if result.compare_error is None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(study_main())

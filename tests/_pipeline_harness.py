@@ -1,0 +1,148 @@
+"""Helpers for multi-process pipeline tests: gloo workers and the single-device 2BW oracle."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lightning_async.models import SmolLM2, model_config
+from lightning_async.models.objective import next_token_loss, split_next_token
+from lightning_async.optim import DelayedOptimizer, build_optimizer
+from lightning_async.optim.error_feedback import ErrorFeedbackCorrection
+from lightning_async.pipeline.groups import make_pipeline_groups
+from lightning_async.pipeline.partition import partition_units
+from lightning_async.pipeline.runtime import PipelineRuntime, StageModule
+
+SHAPE = dict(vocab_size=257, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, ffn_size=64, max_seq_len=64)
+# fp32 Newton-Schulz: bf16 rounding would turn 1e-7 differences of summation order into 1e-3.
+KWARGS = {"muon": {"ns_dtype": torch.float32}, "normuon": {"ns_dtype": torch.float32}}
+LRS = {"adamw": 3e-3, "muon": 2e-2, "lion": 3e-4, "adan": 3e-3, "normuon": 2e-2, "soap": 3e-3, "mars": 3e-3}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_model(seed: int = 0) -> SmolLM2:
+    torch.manual_seed(seed)
+    return SmolLM2(model_config("tiny", **SHAPE))
+
+
+def make_batches(n: int, batch_size: int = 8, seq_len: int = 16, seed: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, SHAPE["vocab_size"], (batch_size, seq_len + 1), generator=g) for _ in range(n)]
+
+
+def lr_lambda(step: int) -> float:
+    return 1.0 / (1.0 + 0.1 * step)  # a changing lr checks that each update uses its own batch's lr
+
+
+def reference_run(optimizer: str, delay: int, ef: float, steps: int, clip: float | None, microbatches: int = 1) -> dict[str, torch.Tensor]:
+    """Single-device run with DelayedOptimizer(pairing='2bw'); returns the newest weights by name.
+
+    With ``microbatches`` the gradient is summed over chunks in the pipeline's order, so optimizers
+    that amplify rounding (SOAP's eigenbases) can be compared exactly too.
+    """
+    model = make_model()
+    named = [(f"model.{n}", p) for n, p in model.named_parameters()]
+    opt = build_optimizer(optimizer, named, lr=LRS[optimizer], weight_decay=0.1, **KWARGS.get(optimizer, {}))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    wrapped = DelayedOptimizer(opt, delay=delay, error_feedback=ef, pairing="2bw")
+    for batch in make_batches(steps):
+        for chunk in batch.chunk(microbatches):
+            inputs, targets = split_next_token(chunk)
+            (next_token_loss(model(inputs), targets) / microbatches).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        wrapped.step()
+        wrapped.zero_grad()
+        sched.step()
+    newest = {id(p): w for p, w in zip(wrapped.params, wrapped.newest_weights())}
+    return {f"model.{n}": newest[id(p)].clone() for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+def pipeline_run(stages: int, schedule: str, optimizer: str, ef: float, steps: int, clip: float | None, m: int, drain_at=()):
+    """Run inside a process of an initialised gloo group; returns this stage's weights by name."""
+    rank = dist.get_rank()
+    model = make_model()
+    units = [(f"model.{n}", u) for n, u in model.pipeline_units()]
+    names = partition_units(units, stages, "uniform")
+    stage = rank % stages
+    local = [(n, u) for n, u in units if n in names[stage]]
+    stage_module = StageModule(local)
+    named = [(f"{n}.{pn}", p) for n, u in local for pn, p in u.named_parameters()]
+    seen, unique = set(), []
+    for n, p in named:
+        if id(p) not in seen:
+            seen.add(id(p))
+            unique.append((n, p))
+    opt = build_optimizer(optimizer, unique, lr=LRS[optimizer], weight_decay=0.1, **KWARGS.get(optimizer, {}))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    first_ids = {id(p) for _, u in units if _ in names[0] for p in u.parameters()}
+    last_ids = {id(p) for _, u in units if _ in names[-1] for p in u.parameters()}
+    tied = [n for n, p in stage_module.named_parameters() if id(p) in first_ids and id(p) in last_ids and stages > 1]
+    groups = make_pipeline_groups(rank, dist.get_world_size(), stages)
+    runtime = PipelineRuntime(
+        stage_module, opt, schedule, m, split_next_token, next_token_loss, groups,
+        gradient_clip_val=clip, error_feedback=ErrorFeedbackCorrection(ef) if ef else None,
+        tied_parameters=tied, count_tied_in_norm=stage == 0, autocast=contextlib.nullcontext,
+    )
+    losses = []
+    for b, batch in enumerate(make_batches(steps)):
+        runtime.train_batch(batch)
+        sched.step()
+        if b in drain_at:
+            runtime.drain()
+        losses.append(runtime.collect_loss(b - 1 if schedule == "2bw" else b) if (b > 0 or schedule != "2bw") else None)
+    runtime.drain()
+    losses.append(runtime.collect_loss(steps - 1) if schedule == "2bw" else None)
+    by_param = {id(p): n for n, p in unique}
+    weights = {by_param[id(p)]: p.detach().clone() for p in runtime.params}
+    return weights, [None if x is None else float(x) for x in losses]
+
+
+def _worker(rank: int, world: int, port: int, fn, args, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        buffer = io.BytesIO()
+        torch.save(fn(*args), buffer)  # bytes, not shared-memory tensors: the child may exit first
+        queue.put((rank, "ok", buffer.getvalue()))
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(world: int, fn, *args, timeout: float = 240.0) -> list:
+    """Run ``fn(*args)`` on ``world`` gloo processes; return the results by rank (re-raise failures)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    try:
+        for _ in range(world):
+            rank, status, value = queue.get(timeout=timeout)
+            if status == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            results[rank] = torch.load(io.BytesIO(value), weights_only=False)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(world)]

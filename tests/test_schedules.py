@@ -1,0 +1,283 @@
+"""Property tests of the schedules-as-data module (no processes, no torch).
+
+The checker below replays one stage's action list and asserts the invariants a runtime relies on; it is tested
+itself against deliberately broken lists, so a weakened checker cannot pass silently.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from lightning_async.pipeline.schedules import (
+    SCHEDULES,
+    Action,
+    call_actions,
+    drain_actions,
+    run_actions,
+    stream_2bw,
+    validate,
+    warmup_forwards,
+)
+from lightning_async.pipeline.simulator import DeadlockError, simulate_lists
+
+
+def _configs(seed: int, count: int) -> list[tuple[int, int, int]]:
+    """Random (p, m, num_batches): p in 1..8, m in p..3p, batches in 1..5, plus the corners."""
+    rng = random.Random(seed)
+    out = [(1, 1, 1), (8, 8, 5), (8, 24, 1), (2, 2, 3), (7, 7, 2)]
+    for _ in range(count):
+        p = rng.randint(1, 8)
+        out.append((p, rng.randint(p, 3 * p), rng.randint(1, 5)))
+    return out
+
+
+CONFIGS = _configs(seed=1234, count=100)
+
+
+def version_used(schedule: str, batch: int) -> int:
+    """Updates contained in the weights batch ``batch`` runs on: 2BW ``V(b) = W0 - u(0..b-2)``; sync ``W_b``."""
+    return max(batch - 1, 0) if schedule == "2bw" else batch
+
+
+def check_stage(schedule: str, actions: list[Action], p: int, m: int, batches: list[int]) -> None:
+    """Assert every invariant of one stage's list that covers exactly ``batches`` (pipeline empty at the end)."""
+    forwards: dict[int, int] = {}  # micro-batch -> position
+    backwards: dict[int, int] = {}
+    updates: dict[int, int] = {}  # batch -> position
+    in_flight: dict[int, set[int]] = {}  # batch -> micro-batches forwarded, not backwarded
+    done = batches[0]  # updates applied so far on this stage (U(0..b-1) before a segment starting at b)
+    for pos, a in enumerate(actions):
+        assert a.kind in ("F", "B", "U"), a
+        if a.kind != "U":
+            assert a.batch == a.microbatch // m, f"{a!r} labelled with batch {a.batch}"
+            assert a.batch in batches, f"{a!r} belongs to no batch of this run"
+            # The weights this micro-batch needs must be live: the newest (``done`` updates) or, under 2BW,
+            # the one before it. Sync: exactly the newest.
+            need = version_used(schedule, a.batch)
+            if schedule == "2bw":
+                assert done - 1 <= need <= done, f"{a!r} needs version {need}, stage has applied {done} updates"
+            else:
+                assert need == done, f"{a!r} runs on weights with {done} updates, expected {need}"
+        if a.kind == "F":
+            assert a.microbatch not in forwards, f"F{a.microbatch} twice"
+            forwards[a.microbatch] = pos
+            in_flight.setdefault(a.batch, set()).add(a.microbatch)
+            limit = 2 if schedule == "2bw" else 1
+            assert len(in_flight) <= limit, f"batches {sorted(in_flight)} in flight at {a!r}"
+            live = {done} | {version_used(schedule, b) for b in in_flight}
+            assert len(live) <= limit, f"weight versions {sorted(live)} live at {a!r}"
+        elif a.kind == "B":
+            assert a.microbatch not in backwards, f"B{a.microbatch} twice"
+            assert a.microbatch in forwards, f"B{a.microbatch} before its forward"
+            backwards[a.microbatch] = pos
+            in_flight[a.batch].discard(a.microbatch)
+            if not in_flight[a.batch]:
+                del in_flight[a.batch]
+        else:
+            b = a.batch
+            assert b not in updates, f"two updates of batch {b}"
+            assert a.microbatch == (b + 1) * m - 1
+            assert b == done, f"U(b{b}) out of order (expected U(b{done}))"
+            mbs = range(b * m, (b + 1) * m)
+            assert all(j in backwards for j in mbs), f"U(b{b}) before all backwards of batch {b}"
+            # Staleness of the gradient this update applies: 1 under 2BW (0 for the very first batch), 0 sync.
+            delay = done - version_used(schedule, b)
+            assert delay == (min(b, 1) if schedule == "2bw" else 0), f"U(b{b}) applies a gradient {delay} old"
+            updates[b] = pos
+            done += 1
+    expected = [j for b in batches for j in range(b * m, (b + 1) * m)]
+    assert sorted(forwards) == expected, "not every micro-batch forwarded exactly once"
+    assert sorted(backwards) == expected, "not every micro-batch backwarded exactly once"
+    assert sorted(updates) == batches, "not exactly one update per batch"
+    assert not in_flight
+    for b in batches:
+        # U(b) precedes the first forward of batch b+1 (sync) or b+2 (2BW): the slot it overwrites is free.
+        ahead = 2 if schedule == "2bw" else 1
+        later = [forwards[j] for j in range((b + ahead) * m, (b + ahead + 1) * m) if j in forwards]
+        assert all(updates[b] < f for f in later), f"a forward of batch {b + ahead} runs before U(b{b})"
+
+
+def simulate_ok(lists: list[list[Action]]) -> None:
+    trace = simulate_lists(lists, forward=1.0, backward=2.0, comm=0.5)
+    assert [len(t) for t in trace] == [len(a) for a in lists]
+
+
+# ------------------------------------------------------------------------------------------------- properties
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_run_actions_invariants(schedule):
+    for p, m, nb in CONFIGS:
+        lists = [run_actions(schedule, s, p, m, nb) for s in range(p)]
+        for s, actions in enumerate(lists):
+            check_stage(schedule, actions, p, m, list(range(nb)))
+            assert len(actions) == nb * (2 * m + 1)
+        simulate_ok(lists)
+
+
+def test_gpipe_allows_fewer_microbatches_than_stages():
+    for p, m, nb in [(4, 1, 2), (8, 3, 3), (5, 2, 1)]:
+        lists = [run_actions("gpipe", s, p, m, nb) for s in range(p)]
+        for actions in lists:
+            check_stage("gpipe", actions, p, m, list(range(nb)))
+        simulate_ok(lists)
+
+
+def test_2bw_calls_concatenate_to_the_stream():
+    for p, m, nb in CONFIGS:
+        for s in range(p):
+            calls = [call_actions("2bw", s, p, m, b, fresh=b == 0) for b in range(nb)]
+            flat = [a for c in calls for a in c]
+            assert flat == list(itertools.islice(stream_2bw(s, p, m), len(flat)))
+            for b, call in enumerate(calls):
+                # A call runs exactly the forwards of its own batch: the next batch is not handed over yet.
+                assert sorted(a.microbatch for a in call if a.kind == "F") == list(range(b * m, (b + 1) * m))
+                # Everything left in flight after the call is drained by drain_actions.
+                drained = drain_actions("2bw", s, p, m, b)
+                pending = {a.microbatch for a in flat[: sum(map(len, calls[: b + 1]))] if a.kind == "F"} - {
+                    a.microbatch for a in flat[: sum(map(len, calls[: b + 1]))] if a.kind == "B"
+                }
+                assert {a.microbatch for a in drained if a.kind == "B"} == pending
+                assert len(pending) == warmup_forwards(s, p)
+
+
+def test_2bw_stream_from_a_later_batch():
+    p, m = 4, 6
+    for s in range(p):
+        shifted = list(itertools.islice(stream_2bw(s, p, m, first_batch=3), 200))
+        assert shifted[0] == Action("F", 3 * m, 3)
+        calls = [call_actions("2bw", s, p, m, b, fresh=b == 3) for b in range(3, 8)]
+        flat = [a for c in calls for a in c]
+        assert flat == shifted[: len(flat)]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_drain_and_fresh_restart(schedule):
+    rng = random.Random(99)
+    for p, m, nb in CONFIGS:
+        if nb < 2:
+            nb = 2
+        cut = rng.randint(1, nb - 1)  # drain after batch cut-1, restart fresh at batch cut
+        lists = []
+        for s in range(p):
+            actions: list[Action] = []
+            for b in range(nb):
+                actions += call_actions(schedule, s, p, m, b, fresh=b in (0, cut))
+                if b in (cut - 1, nb - 1):
+                    actions += drain_actions(schedule, s, p, m, b)
+            # Each segment between drains is a complete run on its own, and so is the whole list.
+            check_stage(schedule, [a for a in actions if a.batch < cut], p, m, list(range(cut)))
+            check_stage(schedule, [a for a in actions if a.batch >= cut], p, m, list(range(cut, nb)))
+            check_stage(schedule, actions, p, m, list(range(nb)))
+            lists.append(actions)
+        simulate_ok(lists)
+
+
+def test_drain_empties_the_pipeline_at_every_stage():
+    p, m = 5, 7
+    for s in range(p):
+        actions = call_actions("2bw", s, p, m, 0) + drain_actions("2bw", s, p, m, 0)
+        assert actions == run_actions("2bw", s, p, m, 1)
+        fwd = {a.microbatch for a in actions if a.kind == "F"}
+        bwd = {a.microbatch for a in actions if a.kind == "B"}
+        assert fwd == bwd == set(range(m))
+        assert actions[-1] == Action("U", m - 1, 0)
+    for schedule in ("gpipe", "1f1b"):
+        assert drain_actions(schedule, 0, p, m, 3) == []
+
+
+def test_1f1b_and_2bw_warmup_depth():
+    p, m = 6, 9
+    for s in range(p):
+        w = warmup_forwards(s, p)
+        for schedule in ("1f1b", "2bw"):
+            actions = run_actions(schedule, s, p, m, 2)
+            first_b = next(i for i, a in enumerate(actions) if a.kind == "B")
+            assert [a.kind for a in actions[:first_b]] == ["F"] * (w + 1)
+        gp = run_actions("gpipe", s, p, m, 1)
+        assert [a.kind for a in gp] == ["F"] * m + ["B"] * m + ["U"]
+
+
+def test_2bw_has_no_flush_between_batches():
+    """On every stage but the last, a forward of batch b+1 runs before U(b): the batches overlap."""
+    p, m = 4, 4
+    for s in range(p - 1):
+        actions = run_actions("2bw", s, p, m, 3)
+        u0 = actions.index(Action("U", m - 1, 0))
+        assert any(a.kind == "F" and a.batch == 1 for a in actions[:u0])
+        sync = run_actions("1f1b", s, p, m, 3)
+        u0 = sync.index(Action("U", m - 1, 0))
+        assert not any(a.kind == "F" and a.batch == 1 for a in sync[:u0])
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
+def test_fewer_microbatches_than_stages_raises_with_fix(schedule):
+    with pytest.raises(ValueError) as err:
+        call_actions(schedule, 0, 4, 3, 0)
+    msg = str(err.value)
+    assert "n_microbatches" in msg and ">= 4" in msg and "fewer stages" in msg
+    with pytest.raises(ValueError, match="n_microbatches"):
+        run_actions(schedule, 1, 8, 7, 2)
+    with pytest.raises(ValueError, match="n_microbatches"):
+        validate(schedule, 2, 1)
+
+
+def test_validate_rejects_bad_settings():
+    with pytest.raises(ValueError, match="Unknown pipeline schedule"):
+        validate("zb1p", 2, 2)
+    with pytest.raises(ValueError, match="num_stages"):
+        validate("gpipe", 0, 2)
+    with pytest.raises(ValueError, match="n_microbatches"):
+        validate("gpipe", 2, 0)
+
+
+# -------------------------------------------------------------------------------------- the checker can fail
+
+
+def _move(actions: list[Action], item: Action, new_index: int) -> list[Action]:
+    out = [a for a in actions if a != item]
+    out.insert(new_index, item)
+    return out
+
+
+def test_checker_rejects_broken_lists():
+    p, m, nb = 3, 3, 3
+    good = run_actions("2bw", 0, p, m, nb)
+    check_stage("2bw", good, p, m, list(range(nb)))
+    u0 = Action("U", m - 1, 0)
+    # Update delayed past a forward of batch 2: three versions would be needed.
+    first_f2 = next(i for i, a in enumerate(good) if a.kind == "F" and a.batch == 2)
+    with pytest.raises(AssertionError):
+        check_stage("2bw", _move(good, u0, first_f2 + 1), p, m, list(range(nb)))
+    # Update before the last backward of its batch.
+    with pytest.raises(AssertionError):
+        check_stage("2bw", _move(good, u0, good.index(Action("B", m - 1, 0)) - 1), p, m, list(range(nb)))
+    # A backward before its forward.
+    with pytest.raises(AssertionError):
+        check_stage("2bw", _move(good, Action("B", 0, 0), 0), p, m, list(range(nb)))
+    # A missing micro-batch.
+    with pytest.raises(AssertionError):
+        check_stage("2bw", [a for a in good if a != Action("F", 4, 1) and a != Action("B", 4, 1)], p, m, [0, 1, 2])
+    # The 2BW list judged by the sync rules: its forwards overlap batches.
+    with pytest.raises(AssertionError):
+        check_stage("1f1b", good, p, m, list(range(nb)))
+    # A sync list whose next batch starts before the update.
+    sync = run_actions("1f1b", 0, p, m, nb)
+    with pytest.raises(AssertionError):
+        check_stage("1f1b", _move(sync, u0, len(sync) - 1), p, m, list(range(nb)))
+
+
+def test_simulator_detects_deadlock():
+    # Stage 0 insists on B0 before F1, stage 1 (last) on F1 before B0: each waits for the other.
+    lists = [
+        [Action("F", 0, 0), Action("B", 0, 0), Action("F", 1, 0), Action("B", 1, 0)],
+        [Action("F", 0, 0), Action("F", 1, 0), Action("B", 0, 0), Action("B", 1, 0)],
+    ]
+    with pytest.raises(DeadlockError, match="stage 0 waits at B0"):
+        simulate_lists(lists, 1.0, 2.0)
+    # A backward on the last stage with no forward anywhere in its list also never runs.
+    with pytest.raises(DeadlockError):
+        simulate_lists([[Action("B", 0, 0)]], 1.0, 1.0)

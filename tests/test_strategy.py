@@ -1,0 +1,171 @@
+"""``AsyncPipelineStrategy`` through Lightning: equality with the single-device callbacks, checkpoints,
+logging, bad input and a dead rank. All Lightning pipeline fits share one spawn of two processes
+(they run as torchrun would start them: environment variables, no launcher)."""
+
+from __future__ import annotations
+
+import os
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader
+
+from _pipeline_harness import free_port, spawn
+from lightning_async.callbacks import DelaySimulation, ErrorFeedback
+from lightning_async.lm import CausalLM
+from lightning_async.pipeline.partition import partition_units
+from lightning_async.strategies import AsyncPipelineStrategy
+from lightning_async.strategies.async_pipe import check_pipeline_contract
+
+SHAPE = dict(hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, ffn_size=64, max_seq_len=64)
+STEPS = 8
+
+
+def _data(n: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 257, (17,), generator=g) for _ in range(n)]
+
+
+class TinyData(L.LightningDataModule):
+    """Four batches per epoch: the step-4 checkpoint falls on an epoch boundary (Lightning restarts a
+    plain DataLoader from its first batch when resuming mid-epoch)."""
+
+    def train_dataloader(self):
+        return DataLoader(_data(32, 1), batch_size=8, shuffle=False, drop_last=True)
+
+    def val_dataloader(self):
+        return DataLoader(_data(16, 2), batch_size=8, drop_last=True)
+
+
+def fit(strategy, devices: int, callbacks=(), steps: int = STEPS, ckpt_path=None, ckpt_dir=None, optimizer="adamw"):
+    L.seed_everything(0)
+    model = CausalLM(vocab_size=257, model_overrides=SHAPE, optimizer=optimizer, lr=3e-3)
+    callbacks = list(callbacks)
+    if ckpt_dir:
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=4, save_top_k=-1, filename="{step}"))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
+        enable_checkpointing=bool(ckpt_dir), enable_progress_bar=False, enable_model_summary=False,
+        callbacks=callbacks, val_check_interval=4, num_sanity_val_steps=1, limit_val_batches=2, gradient_clip_val=1.0,
+    )
+    trainer.fit(model, datamodule=TinyData(), ckpt_path=ckpt_path)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    return state, metrics
+
+
+def _pipeline_fits(tmp: str) -> dict:
+    """Runs on each of two ranks (environment set like torchrun)."""
+    out = {}
+    ckpt_dir = os.path.join(tmp, "ckpt")
+    out["async"] = fit(AsyncPipelineStrategy(n_microbatches=2), 2, ckpt_dir=ckpt_dir)
+    out["async_ef"] = fit(AsyncPipelineStrategy(n_microbatches=2), 2, callbacks=[ErrorFeedback(1.0)])
+    out["sync"] = fit("sync_pipe", 2)
+    out["resumed"] = fit(AsyncPipelineStrategy(n_microbatches=2), 2, ckpt_path=os.path.join(ckpt_dir, "step=4.ckpt"))
+    out["files"] = sorted(os.listdir(os.path.join(ckpt_dir, "step=4.ckpt")))
+    return out
+
+
+def _as_torchrun(tmp: str, port: int) -> dict:
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dist.destroy_process_group()  # Lightning opens its own, from the environment
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_PORT=str(port))
+    return _pipeline_fits(tmp)
+
+
+@pytest.fixture(scope="module")
+def pipeline_fits(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("pipe"))
+    return spawn(2, _as_torchrun, tmp, free_port(), timeout=300)
+
+
+def _merged(per_rank: list, key: str) -> dict:
+    merged = {}
+    for rank in per_rank:
+        merged.update(rank[key][0])
+    return merged
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert set(a) == set(b)
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def test_async_pipe_equals_delay_simulation(pipeline_fits):
+    reference, _ = fit("auto", 1, callbacks=[DelaySimulation(1)])
+    assert _max_diff(_merged(pipeline_fits, "async"), reference) < 2e-5
+
+
+def test_async_pipe_with_error_feedback_equals_single_device(pipeline_fits):
+    reference, _ = fit("auto", 1, callbacks=[DelaySimulation(1), ErrorFeedback(1.0)])
+    assert _max_diff(_merged(pipeline_fits, "async_ef"), reference) < 2e-5
+
+
+def test_sync_pipe_equals_plain_training_and_async_differs(pipeline_fits):
+    plain, _ = fit("auto", 1)
+    assert _max_diff(_merged(pipeline_fits, "sync"), plain) < 2e-5
+    assert _max_diff(_merged(pipeline_fits, "async"), plain) > 1e-4  # negative control
+
+
+def test_resume_from_mid_run_checkpoint_equals_uninterrupted(pipeline_fits):
+    assert _max_diff(_merged(pipeline_fits, "resumed"), _merged(pipeline_fits, "async")) < 1e-7
+    assert pipeline_fits[0]["files"] == ["meta.json", "stage-00.ckpt", "stage-01.ckpt"]
+
+
+def test_every_rank_logs_the_same_losses(pipeline_fits):
+    first, second = (rank["async"][1] for rank in pipeline_fits)
+    for key in ("train/loss", "val/loss"):
+        assert first[key] == pytest.approx(second[key], abs=0)
+    assert 3.0 < first["val/loss"] < 6.0
+
+
+def test_checkpoint_loads_into_the_plain_module(pipeline_fits, tmp_path):
+    from lightning_async.pipeline.checkpoint import consolidate
+
+    ckpt_dir = next(p for p in tmp_path.parent.glob("pipe*/ckpt"))
+    state = consolidate(ckpt_dir / "step=4.ckpt")
+    model = CausalLM(vocab_size=257, model_overrides=SHAPE)
+    model.load_state_dict(state)  # strict: every weight of the unsplit module is there
+
+
+# ---- bad input: raised before any process group exists ---------------------------------------
+def _strategy(devices: int, **kwargs) -> AsyncPipelineStrategy:
+    strategy = AsyncPipelineStrategy(**kwargs)
+    L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, logger=False)
+    return strategy
+
+
+def test_too_few_microbatches():
+    with pytest.raises(ValueError, match="n_microbatches=2 < 4 stages"):
+        _strategy(4, n_microbatches=2).validate_mesh()
+
+
+def test_mesh_that_cannot_divide_world():
+    with pytest.raises(ValueError, match="Cannot arrange 4 processes"):
+        _strategy(4, pipeline_parallel_size=3).validate_mesh()
+
+
+def test_nccl_on_cpu():
+    with pytest.raises(ValueError, match="nccl.*CPU"):
+        _strategy(2, process_group_backend="nccl").validate_mesh()
+
+
+def test_more_stages_than_units():
+    model = CausalLM(vocab_size=257, model_overrides=dict(SHAPE, num_layers=2))
+    with pytest.raises(ValueError, match="Cannot split 4 pipeline units into 5 stages"):
+        partition_units(model.pipeline_units(), 5)
+
+
+def test_module_without_pipeline_contract():
+    with pytest.raises(TypeError, match="lacks pipeline_units"):
+        check_pipeline_contract(nn.Linear(2, 2))
+
+
+def test_error_feedback_with_sync_schedule():
+    with pytest.raises(ValueError, match="needs the delayed schedule"):
+        AsyncPipelineStrategy(schedule="1f1b", error_feedback=1.0)

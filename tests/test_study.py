@@ -1,0 +1,271 @@
+"""``lightning-async study`` and ``probe``: matrix, skip/resume, validation, verdicts, and one real run."""
+
+from __future__ import annotations
+
+import importlib.util
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lightning_async.compare import ASYNC, ASYNC_EF, SYNC, Row, load_runs
+from lightning_async.compare.synthetic import write_fake_run
+from lightning_async.probe import probe_main, verdict
+from lightning_async.study import (
+    KNOWN_OPTIMIZERS,
+    MODES,
+    RunSpec,
+    StudyError,
+    load_study,
+    study_from_dict,
+    study_main,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+# final val loss the fake runner writes: sync 2.6 + seed effect; async + gap; EF recovers 75%
+GAPS = {"adamw": 0.28, "muon": 0.012, "lion": 0.02}
+
+
+def fake_final(spec: RunSpec) -> float:
+    base = 2.6 + 0.003 * (spec.seed or 0)
+    if spec.mode == "sync":
+        return base
+    gap = GAPS[spec.optimizer or "adamw"]
+    return base + (gap * 0.25 if spec.mode == "delayed-ef" else gap)
+
+
+class FakeRunner:
+    """Writes a run dir that follows the run conventions; can be told to fail or be interrupted."""
+
+    def __init__(self, interrupt_at: int | None = None, fail: set[str] | None = None):
+        self.calls: list[str] = []
+        self.commands: list[list[str]] = []
+        self.interrupt_at = interrupt_at
+        self.fail = fail or set()
+
+    def __call__(self, spec: RunSpec) -> int:
+        self.calls.append(spec.name)
+        self.commands.append(spec.command)
+        final = fake_final(spec)
+        kwargs = dict(optimizer=spec.optimizer or "adamw", mode=spec.logged_mode,
+                      ef_strength=1.0 if spec.uses_ef else 0.0, seed=spec.seed, lr=spec.lr,
+                      val_loss={5: final + 1.0, 10: final})
+        if self.interrupt_at is not None and len(self.calls) == self.interrupt_at:
+            write_fake_run(spec.run_dir, done=False, **kwargs)  # half-written, then Ctrl-C
+            raise KeyboardInterrupt
+        if spec.name in self.fail:
+            write_fake_run(spec.run_dir, done=False, **kwargs)
+            return 1
+        write_fake_run(spec.run_dir, **kwargs)
+        return 0
+
+
+def write_study(tmp_path: Path, **fields) -> Path:
+    data = {"name": "t", "base": ["base.yaml"], "optimizers": ["adamw", "muon"],
+            "modes": ["sync", "delayed", "delayed-ef"], "seeds": [0, 1], "max_steps": 10,
+            "output": str(tmp_path / "out"), "launcher": ["lightning-async"]}
+    data.update(fields)
+    (tmp_path / "base.yaml").write_text("trainer: {}\n")
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_matrix_names_and_commands(tmp_path):
+    study = load_study(write_study(tmp_path, lrs={"adamw": [1e-3, 3e-3]}))
+    specs = study.expand()
+    assert len(specs) == 2 * (2 + 1) * 3  # seeds x (adamw 2 lrs + muon) x modes
+    names = [s.name for s in specs]
+    assert names[:3] == ["adamw-sync-lr0.001-s0", "adamw-delayed-lr0.001-s0", "adamw-delayed-ef-lr0.001-s0"]
+    assert "muon-delayed-ef-s1" in names and len(set(names)) == len(names)
+    spec = specs[1]
+    cmd = spec.command
+    assert cmd[:2] == ["lightning-async", "fit"]
+    assert cmd[cmd.index("--seed_everything") + 1] == "0"
+    assert cmd[cmd.index("--model.optimizer") + 1] == "adamw"
+    assert cmd[cmd.index("--model.lr") + 1] == "0.001"
+    assert cmd[cmd.index("--trainer.max_steps") + 1] == "10"
+    assert cmd[cmd.index("--trainer.logger.init_args.version") + 1] == spec.name
+    assert cmd[cmd.index("--trainer.logger.init_args.name") + 1] == "runs"
+    configs = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--config"]
+    assert configs[0].endswith("base.yaml") and configs[-1].endswith("modes/delayed.yaml")
+    assert spec.run_dir == tmp_path / "out" / "runs" / spec.name
+
+
+def test_rejects_unknown_optimizer_mode_and_keys(tmp_path, capsys):
+    runner = FakeRunner()
+    assert study_main(["--config", str(write_study(tmp_path, optimizers=["adamw", "sgdx"]))], runner=runner) == 2
+    err = capsys.readouterr().err
+    assert "unknown optimizer(s) sgdx" in err and all(o in err for o in KNOWN_OPTIMIZERS)
+    assert study_main(["--config", str(write_study(tmp_path, modes=["sync", "fast"]))], runner=runner) == 2
+    err = capsys.readouterr().err
+    assert "unknown mode(s) fast" in err and all(m in err for m in MODES)
+    with pytest.raises(StudyError, match="unknown study key"):
+        study_from_dict({"optimizers": ["adamw"], "modez": ["sync"]})
+    with pytest.raises(StudyError, match="not in optimizers"):
+        study_from_dict({"optimizers": ["adamw"], "lrs": {"muon": 0.02}})
+    assert study_main(["--config", str(tmp_path / "nope.yaml")], runner=runner) == 2
+    assert runner.calls == []  # nothing ran
+
+
+def test_resume_after_interruption(tmp_path):
+    path = write_study(tmp_path)
+    total = 2 * 2 * 3
+    first = FakeRunner(interrupt_at=5)
+    assert study_main(["--config", str(path), "--no-compare"], runner=first) == 130
+    assert len(first.calls) == 5
+    half = tmp_path / "out" / "runs" / first.calls[-1]
+    assert half.exists() and not (half / "DONE").exists()
+
+    second = FakeRunner()
+    assert study_main(["--config", str(path)], runner=second) == 0
+    # only the missing runs ran: the interrupted one again, then the rest; none of the four finished ones
+    assert second.calls[0] == first.calls[-1]
+    assert len(second.calls) == total - 4
+    assert not set(second.calls) & set(first.calls[:4])
+    # a third run does nothing
+    third = FakeRunner()
+    assert study_main(["--config", str(path)], runner=third) == 0
+    assert third.calls == []
+    # the compare at the end saw every run and its numbers
+    report = (tmp_path / "out" / "compare" / "report.md").read_text()
+    assert "### adamw" in report and "### muon" in report
+    runs = load_runs([tmp_path / "out" / "runs"])
+    assert len(runs) == total and all(r.done for r in runs)
+
+
+def test_changed_arguments_rerun_and_failures_retry(tmp_path, capsys):
+    path = write_study(tmp_path, optimizers=["adamw"], seeds=[0])
+    fail = FakeRunner(fail={"adamw-delayed-s0"})
+    assert study_main(["--config", str(path)], runner=fail) == 1
+    assert "1 run(s) failed: adamw-delayed-s0" in capsys.readouterr().out
+    retry = FakeRunner()
+    assert study_main(["--config", str(path)], runner=retry) == 0
+    assert retry.calls == ["adamw-delayed-s0"]
+    # a different max_steps makes the finished runs stale: all rerun
+    longer = FakeRunner()
+    assert study_main(["--config", str(path), "--max-steps", "20"], runner=longer) == 0
+    assert len(longer.calls) == 3
+    assert "finished with different arguments" in capsys.readouterr().out
+
+
+def test_dry_run_set_and_data_override(tmp_path, capsys):
+    override = tmp_path / "gutenberg.yaml"
+    override.write_text("data: {source: text}\n")
+    path = write_study(tmp_path, optimizers=["lion"], overrides={"data.seq_len": 64})
+    runner = FakeRunner()
+    rc = study_main(["--config", str(path), "--dry-run", "--data-override", str(override),
+                     "--set", "data.path=corpus.txt"], runner=runner)
+    assert rc == 0 and runner.calls == []
+    out = capsys.readouterr().out
+    assert "[6/6] lion-delayed-ef-s1 (todo)" in out
+    line = [x for x in out.splitlines() if "lion-sync-s0" in x and "fit" in x][0]
+    cmd = shlex.split(line.strip())
+    configs = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--config"]
+    assert configs[-1] == str(override)
+    assert cmd[-2:] == ["--data.seq_len=64", "--data.path=corpus.txt"]
+    assert not (tmp_path / "out" / "runs").exists()
+    assert study_main(["--config", str(path), "--set", "nokey"], runner=runner) == 2
+
+
+def test_ablation_keys(tmp_path):
+    study = load_study(write_study(tmp_path, optimizers=["adamw"], seeds=[0], modes=["sync", "delayed-ef"],
+                                   ef_strengths=[0.5, 1.0], delays=[1, 2]))
+    names = [s.name for s in study.expand()]
+    assert names == ["adamw-sync-s0", "adamw-delayed-ef-d1-ef0.5-s0", "adamw-delayed-ef-d1-ef1-s0",
+                     "adamw-delayed-ef-d2-ef0.5-s0", "adamw-delayed-ef-d2-ef1-s0"]
+    cmd = study.expand()[2].command
+    assert cmd[cmd.index("--error_feedback.strength") + 1] == "1" and cmd[cmd.index("--delay.delay") + 1] == "1"
+
+
+@pytest.mark.parametrize("name", ["quickstart", "gutenberg-cpu", "smollm2-135m-gpu"])
+def test_shipped_studies_parse(name, monkeypatch):
+    monkeypatch.chdir(REPO)
+    study = load_study(REPO / "recipes" / "study" / f"{name}.yaml")
+    specs = study.expand()
+    assert specs and all(s.command[s.command.index("fit") - 1] for s in specs)
+    if name == "quickstart":
+        assert sorted(study.optimizers) == sorted(KNOWN_OPTIMIZERS) and len(specs) == 21
+        assert study.output == Path("studies/quickstart")
+
+
+def test_fake_study_end_to_end(tmp_path, capsys):
+    """``--fake`` rehearses a whole study: runs written, compared, the gap table printed."""
+    path = write_study(tmp_path, optimizers=["adamw", "mars"], seeds=[0])
+    assert study_main(["--config", str(path), "--fake"]) == 0
+    out = capsys.readouterr().out
+    assert "adamw" in out and "75%" in out  # synthetic EF recovers 75%
+
+
+# ---- probe ------------------------------------------------------------------------------------
+def synthetic_row(tmp_path: Path, finals: dict[str, list[float]]) -> Row:
+    spec = {SYNC: ("sync", 0.0), ASYNC: ("delayed", 0.0), ASYNC_EF: ("delayed", 1.0)}
+    for category, values in finals.items():
+        mode, ef = spec[category]
+        for seed, value in enumerate(values):
+            write_fake_run(tmp_path / f"{category}-{seed}", mode=mode, ef_strength=ef, seed=seed, val_loss={10: value})
+    from lightning_async.compare import build_rows
+
+    (row,) = build_rows(load_runs([tmp_path]))
+    return row
+
+
+def test_verdict_clear_gap_ef_closes(tmp_path):
+    row = synthetic_row(tmp_path, {SYNC: [2.60, 2.61, 2.59], ASYNC: [2.90, 2.89, 2.91], ASYNC_EF: [2.63, 2.64, 2.62]})
+    v = verdict(row)
+    assert v.confidence == "high" and v.seeds == 3
+    assert "async costs 0.3000 in final loss (11.54%)" in v.text
+    assert "EF recovers 90% of it (EF closes (nearly) all of it)" in v.text
+    assert "with 3 seeds the gap is larger than the seed spread" in v.text
+
+
+def test_verdict_gap_within_noise(tmp_path):
+    row = synthetic_row(tmp_path, {SYNC: [2.60, 2.64, 2.56], ASYNC: [2.61, 2.65, 2.57], ASYNC_EF: [2.62, 2.60, 2.58]})
+    v = verdict(row)
+    assert v.confidence == "low"
+    assert "the gap is not larger than the seed spread" in v.text
+
+
+def test_verdict_one_seed_and_no_gap(tmp_path):
+    row = synthetic_row(tmp_path / "a", {SYNC: [2.6], ASYNC: [2.65], ASYNC_EF: [2.66]})
+    v = verdict(row)
+    assert v.confidence == "low" and "no estimate of seed noise" in v.text
+    assert "EF makes it worse" in v.text
+    row = synthetic_row(tmp_path / "b", {SYNC: [2.6], ASYNC: [2.6], ASYNC_EF: [2.6]})
+    assert "costs nothing measurable" in verdict(row).text
+    row = synthetic_row(tmp_path / "c", {SYNC: [2.6]})
+    assert verdict(row).confidence == "none"
+
+
+def test_probe_with_injected_runner(tmp_path, capsys):
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("model: {optimizer: adamw}\n")
+    runner = FakeRunner()
+    rc = probe_main(["--config", str(recipe), "--steps", "7", "--seeds", "2", "--output", str(tmp_path / "p")],
+                    runner=runner)
+    assert rc == 0
+    assert runner.calls == ["sync-s0", "delayed-s0", "delayed-ef-s0", "sync-s1", "delayed-s1", "delayed-ef-s1"]
+    cmd = runner.commands[0]
+    assert cmd[cmd.index("--trainer.max_steps") + 1] == "7" and "--model.optimizer" not in cmd
+    out = capsys.readouterr().out
+    assert "async costs 0.2800 in final loss" in out and "EF recovers 75%" in out and "Confidence: high" in out
+    assert (tmp_path / "p" / "compare" / "verdict.md").exists()
+    assert probe_main(["--config", str(tmp_path / "missing.yaml")], runner=runner) == 2
+
+
+# ---- the real thing ---------------------------------------------------------------------------
+@pytest.mark.skipif(importlib.util.find_spec("lightning_async.cli") is None,
+                    reason="lightning_async.cli (the training CLI) is not importable yet")
+def test_real_probe_end_to_end(tmp_path, monkeypatch):
+    """Three real tiny trainings through the CLI (sync, delayed, delayed+EF), then compare."""
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "probe"
+    rc = probe_main(["--config", "recipes/quickstart.yaml", "--steps", "6", "--output", str(out)])
+    logs = "\n".join(p.read_text()[-3000:] for p in sorted((out / "logs").glob("*.log")))
+    assert rc == 0, logs
+    runs = load_runs([out / "runs"])
+    assert sorted(r.category for r in runs) == sorted([SYNC, ASYNC, ASYNC_EF])
+    assert all(r.done and r.final_val_loss is not None for r in runs)
+    assert (out / "compare" / "report.md").exists()
