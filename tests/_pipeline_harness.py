@@ -125,8 +125,11 @@ def _worker(rank: int, world: int, port: int, fn, args, queue) -> None:
             dist.destroy_process_group()
 
 
-def spawn(world: int, fn, *args, timeout: float = 240.0) -> list:
-    """Run ``fn(*args)`` on ``world`` gloo processes; return the results by rank (re-raise failures)."""
+def spawn(world: int, fn, *args, timeout: float = 240.0, reporting: int | None = None) -> list:
+    """Run ``fn(*args)`` on ``world`` gloo processes; return the results by rank (re-raise failures).
+
+    ``reporting``: how many ranks are expected to report (a test may kill the others).
+    """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -135,7 +138,7 @@ def spawn(world: int, fn, *args, timeout: float = 240.0) -> list:
         p.start()
     results: dict[int, object] = {}
     try:
-        for _ in range(world):
+        for _ in range(world if reporting is None else reporting):
             rank, status, value = queue.get(timeout=timeout)
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
@@ -145,4 +148,4 @@ def spawn(world: int, fn, *args, timeout: float = 240.0) -> list:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-    return [results[r] for r in range(world)]
+    return [results[r] for r in sorted(results)]

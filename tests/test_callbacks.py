@@ -233,14 +233,9 @@ def test_resume_from_checkpoint_is_exact(optimizer: str, tmp_path) -> None:
 
 
 # ---- fitting the same module again ---------------------------------------------------------------
-SECOND_FIT_BUG = (
-    "BUG (lightning_async/callbacks/delay.py, DelaySimulation.setup): the callback replaces "
-    "pl_module.configure_optimizers and sets pl_module._delay_simulation_wrapped for good and never undoes it, "
-    "so a later fit of the same module keeps the FIRST callback's wrapper and settings."
-)
+# (DelaySimulation once kept its wrapper on the module for good; teardown now undoes it.)
 
 
-@pytest.mark.xfail(strict=True, reason=SECOND_FIT_BUG)
 def test_second_fit_without_delay_simulation_is_synchronous() -> None:
     module = make_module()
     make_trainer([DelaySimulation(1)], max_steps=3).fit(module, train_loader())
@@ -249,7 +244,6 @@ def test_second_fit_without_delay_simulation_is_synchronous() -> None:
     assert not isinstance(trainer.optimizers[0], DelayedOptimizer)  # actual: still DelayedOptimizer(delay=1)
 
 
-@pytest.mark.xfail(strict=True, reason=SECOND_FIT_BUG)
 def test_second_fit_uses_the_new_callbacks_settings() -> None:
     module = make_module()
     make_trainer([DelaySimulation(1)], max_steps=3).fit(module, train_loader())

@@ -57,11 +57,16 @@ class DelaySimulation(Callback):
         delay: ``1`` is PipeDream-2BW (every stage one step stale); ``k > 1`` gives the original
             PipeDream's per-stage staleness for ablations; ``0`` is plain synchronous training.
         pairing: ``"2bw"`` (evaluate batch t at ``x(t-k)``; exact pipeline pairing) or ``"fifo"``.
+        start_fraction: share of ``trainer.max_steps`` trained synchronously before the delay starts
+            (the paper's "sync start" baseline; 0 = delayed from the first step).
     """
 
-    def __init__(self, delay: int = 1, pairing: str = "2bw") -> None:
+    def __init__(self, delay: int = 1, pairing: str = "2bw", start_fraction: float = 0.0) -> None:
         validate_delay(delay, 0.0)
-        self.delay, self.pairing = delay, pairing
+        if not 0.0 <= start_fraction < 1.0:
+            raise ValueError(f"start_fraction must be in [0, 1), got {start_fraction}.")
+        self.delay, self.pairing, self.start_fraction = delay, pairing, start_fraction
+        self._start_step = 0
         self.error_feedback = 0.0
         self.extrapolate_weight_decay = True
         self.optimizers: list[DelayedOptimizer] = []
@@ -71,24 +76,38 @@ class DelaySimulation(Callback):
         return self.delay > 0
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if not self.active or stage != "fit" or getattr(pl_module, "_delay_simulation_wrapped", False):
+        if not self.active or stage != "fit":
             return
         if _is_pipeline(trainer):
             raise ValueError(
                 "DelaySimulation simulates the pipeline's delay on one device, but strategy is already a pipeline, "
                 "which delays for real. Remove the DelaySimulation callback (or set delay: 0)."
             )
+        if self.start_fraction:
+            if trainer.max_steps is None or trainer.max_steps < 0:
+                raise ValueError("DelaySimulation(start_fraction=...) needs trainer.max_steps to place the switch.")
+            self._start_step = int(round(self.start_fraction * trainer.max_steps))
+        self.optimizers = []
         original = pl_module.configure_optimizers
 
         def configure_optimizers():
             return _wrap_configured(original(), self._wrap)
 
         pl_module.configure_optimizers = configure_optimizers
-        pl_module._delay_simulation_wrapped = True
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Undo the wrapping, so a later fit of the same module starts from its own optimizer."""
+        if "configure_optimizers" in vars(pl_module):
+            del pl_module.configure_optimizers
 
     def _wrap(self, optimizer) -> DelayedOptimizer:
         wrapped = DelayedOptimizer(
-            optimizer, self.delay, self.error_feedback, self.pairing, extrapolate_weight_decay=self.extrapolate_weight_decay
+            optimizer,
+            self.delay,
+            self.error_feedback,
+            self.pairing,
+            extrapolate_weight_decay=self.extrapolate_weight_decay,
+            start_step=self._start_step,
         )
         self.optimizers.append(wrapped)
         return wrapped
@@ -128,7 +147,7 @@ class DelaySimulation(Callback):
         self._show_newest()  # after fit the module holds the newest weights
 
     def state_dict(self) -> dict:
-        return {"delay": self.delay, "pairing": self.pairing}
+        return {"delay": self.delay, "pairing": self.pairing, "start_fraction": self.start_fraction}
 
 
 class ErrorFeedback(Callback):

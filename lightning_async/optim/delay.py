@@ -103,6 +103,8 @@ class DelayedOptimizer(OptimizerWrapper):
         error_feedback: EF strength ``lam``; applied displacement ``u + lam (u - u_prev)``.
         pairing: ``"fifo"`` (gradient FIFO) or ``"2bw"`` (weight stash, exact pipeline pairing).
         extrapolate_weight_decay: whether EF extrapolates the decoupled weight decay too.
+        start_step: steps before this one are plain synchronous steps (the paper's "sync start"
+            baseline); the delay begins from the weights reached then, like a freshly filled pipeline.
     """
 
     def __init__(
@@ -112,9 +114,13 @@ class DelayedOptimizer(OptimizerWrapper):
         error_feedback: float = 0.0,
         pairing: str = "fifo",
         extrapolate_weight_decay: bool = True,
+        start_step: int = 0,
     ) -> None:
         super().__init__(optimizer)
         validate_delay(delay, error_feedback)
+        if start_step < 0:
+            raise ValueError(f"start_step must be >= 0, got {start_step}.")
+        self.start_step = start_step
         if pairing not in PAIRINGS:
             raise ValueError(f"Unknown pairing {pairing!r}; choose one of {PAIRINGS}.")
         self.delay = delay
@@ -146,7 +152,7 @@ class DelayedOptimizer(OptimizerWrapper):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.delay == 0:
+        if self.delay == 0 or self.steps_taken < self.start_step:
             self.optimizer.step()
         elif self.pairing == "fifo":
             self._fifo_step()
@@ -189,6 +195,7 @@ class DelayedOptimizer(OptimizerWrapper):
                 "delay": self.delay,
                 "pairing": self.pairing,
                 "steps_taken": self.steps_taken,
+                "start_step": self.start_step,
                 "grad_queue": [list(g) for g in self._grad_queue],
                 "versions": None if self._versions is None else [list(v) for v in self._versions],
                 "error_feedback": self.correction.state_dict(params),

@@ -25,7 +25,7 @@ from torch.func import functional_call
 from lightning_async.optim.delayed_step import delayed_step
 from lightning_async.optim.error_feedback import ErrorFeedbackCorrection
 from lightning_async.pipeline import schedules
-from lightning_async.pipeline.p2p import StageTransport
+from lightning_async.pipeline.p2p import PeerFailure, StageTransport
 from lightning_async.pipeline.schedules import BACKWARD, FORWARD, UPDATE
 
 
@@ -58,6 +58,18 @@ class PipelineGroups:
     tied: object = None  # first and last stage, when they share weights
     metrics: object = None  # every rank (loss reporting)
     stage_of_rank: Callable[[int], int] = lambda r: r
+
+
+def wait_collectives(works, what: str) -> None:
+    """Wait for collective operations; a dead peer becomes a :class:`PeerFailure` that says what was waited on."""
+    try:
+        for work in works:
+            work.wait()
+    except Exception as err:
+        raise PeerFailure(
+            f"A pipeline rank stopped answering while this rank waited for {what}: {err}. "
+            "Look at the other ranks' logs for the original error."
+        ) from err
 
 
 @dataclass
@@ -190,7 +202,7 @@ class PipelineRuntime:
             work, buf = self._loss_works[batch]
             if not wait and not work.is_completed():
                 return None
-            work.wait()
+            wait_collectives([work], f"the loss of batch {batch}")
             del self._loss_works[batch]
             self.reported_losses[batch] = buf / self.groups.data_parallel_size
         return self.reported_losses.pop(batch, None)
@@ -208,13 +220,11 @@ class PipelineRuntime:
             for x in present:
                 x.div_(g.data_parallel_size)
             works = [dist.all_reduce(x, group=g.data_parallel, async_op=True) for x in present]
-            for w in works:
-                w.wait()  # replicas run in lockstep: no cross-stage wait
+            wait_collectives(works, "the data-parallel gradient average")  # replicas run in lockstep
         if g.tied is not None and self.tied:
             pending.works += [dist.all_reduce(grads[i], group=g.tied, async_op=True) for i in self.tied if grads[i] is not None]
-            if self.is_first:
-                for w in pending.works:
-                    w.wait()  # the last stage posted long ago; the first stage's norm needs the sum
+            if self.is_first:  # the last stage posted long ago; the first stage's norm needs the sum
+                wait_collectives(pending.works, "the tied-weight gradient sum")
         if self.clip:
             skip = set() if self.count_tied_in_norm else set(self.tied)
             sq = sum((x.float().pow(2).sum() for i, x in enumerate(grads) if x is not None and i not in skip), torch.zeros((), device=self.device))
@@ -225,8 +235,7 @@ class PipelineRuntime:
 
     def _apply_update(self, batch: int) -> None:
         pending = self._pending.pop(batch)
-        for w in pending.works:
-            w.wait()
+        wait_collectives(pending.works, f"the gradient reductions of batch {batch}")
         if self.clip and pending.norm_sq is not None:
             norm = pending.norm_sq.sqrt()
             coef = torch.clamp(self.clip / (norm + 1e-6), max=1.0)
@@ -346,7 +355,7 @@ class PipelineRuntime:
         if self.groups.metrics is None:
             return value
         buf = torch.zeros((), device=self.device) if value is None else value.clone()
-        dist.all_reduce(buf, group=self.groups.metrics)
+        wait_collectives([dist.all_reduce(buf, group=self.groups.metrics, async_op=True)], "the evaluation loss")
         return buf / self.groups.data_parallel_size
 
     # ---- checkpoint -------------------------------------------------------------------------------

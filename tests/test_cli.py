@@ -1,0 +1,88 @@
+"""The ``lightning-async`` command end to end, in subprocesses, as a user runs it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL_DATA = ["--data.max_chars", "400000", "--data.val_batches", "2", "--data.progress", "false"]
+
+
+def run_cli(tmp_path: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "-m", "lightning_async.cli", *args]
+    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def read_scalars(run_dir: Path, tag: str) -> list[float]:
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return [event.value for event in acc.Scalars(tag)]
+
+
+def test_quickstart_fit_writes_tensorboard_and_lowers_the_loss(tmp_path):
+    proc = run_cli(
+        tmp_path, "fit", "--config", str(REPO / "recipes/quickstart.yaml"), "--trainer.max_steps", "40",
+        "--trainer.val_check_interval", "20", "--trainer.log_every_n_steps", "5", "--trainer.enable_progress_bar", "false",
+        "--data.cache_dir", str(tmp_path / "cache"), *SMALL_DATA,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = next((tmp_path / "runs" / "quickstart").iterdir())
+    assert list(run_dir.glob("events.out.tfevents.*")) and (run_dir / "config.yaml").exists() and (run_dir / "DONE").exists()
+    train = read_scalars(run_dir, "train/loss")
+    assert train[-1] < train[0] - 1.0, train
+    assert len(read_scalars(run_dir, "val/loss")) == 2
+    identity = yaml.safe_load((run_dir / "hparams.yaml").read_text())
+    assert (identity["optimizer"], identity["mode"], identity["delay"], identity["ef_strength"]) == ("adamw", "sync", 0, 0.0)
+
+
+def test_recipes_compose_into_a_delayed_ef_muon_run(tmp_path):
+    proc = run_cli(
+        tmp_path, "fit", "--config", str(REPO / "recipes/quickstart.yaml"), "--config", str(REPO / "recipes/optimizers/muon.yaml"),
+        "--config", str(REPO / "recipes/modes/delayed-ef.yaml"), "--trainer.max_steps", "6", "--trainer.val_check_interval", "6",
+        "--trainer.enable_progress_bar", "false", "--data.cache_dir", str(tmp_path / "cache"), *SMALL_DATA,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = next((tmp_path / "runs" / "quickstart").iterdir())
+    identity = yaml.safe_load((run_dir / "hparams.yaml").read_text())
+    assert (identity["optimizer"], identity["mode"], identity["delay"], identity["ef_strength"]) == ("muon", "delayed", 1, 1.0)
+
+
+def test_real_pipeline_from_the_cli(tmp_path):
+    """Two processes through Lightning's own launcher (the script is re-executed for rank 1)."""
+    proc = run_cli(
+        tmp_path, "fit", "--config", str(REPO / "recipes/quickstart.yaml"), "--config", str(REPO / "recipes/pipeline/async.yaml"),
+        "--trainer.max_steps", "6", "--trainer.val_check_interval", "6", "--trainer.enable_progress_bar", "false",
+        "--data.cache_dir", str(tmp_path / "cache"), *SMALL_DATA,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = next((tmp_path / "runs" / "quickstart").iterdir())
+    identity = yaml.safe_load((run_dir / "hparams.yaml").read_text())
+    assert identity["mode"] == "async_pipe"
+    assert len(read_scalars(run_dir, "val/loss")) == 1
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model.model", "huge"], "Unknown model config 'huge'"),
+        (["--model.optimizer", "sgdx"], "Unknown optimizer 'sgdx'"),
+        (["--data.source", "nowhere"], "nowhere"),
+        (["--error_feedback.strength", "1.0"], "ErrorFeedback needs a delay source"),
+        (["--trainer.no_such_key", "1"], "no_such_key"),
+    ],
+)
+def test_bad_input_stops_with_a_clear_message(tmp_path, args, message):
+    proc = run_cli(
+        tmp_path, "fit", "--config", str(REPO / "recipes/quickstart.yaml"), "--trainer.max_steps", "2",
+        "--data.cache_dir", str(tmp_path / "cache"), *SMALL_DATA, *args, timeout=120,
+    )
+    assert proc.returncode != 0
+    assert message in proc.stderr + proc.stdout
