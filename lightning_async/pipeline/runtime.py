@@ -358,6 +358,23 @@ class PipelineRuntime:
         wait_collectives([dist.all_reduce(buf, group=self.groups.metrics, async_op=True)], "the evaluation loss")
         return buf / self.groups.data_parallel_size
 
+    # ---- accounting -------------------------------------------------------------------------------
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this stage holds: one weight version, all versions, optimizer state, the EF buffer."""
+
+        def nbytes(tensors) -> int:
+            return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+        state = [v for per_param in self.optimizer.state.values() for v in per_param.values()]
+        ef = self.correction.previous_update.values() if self.correction is not None else []
+        return {
+            "parameters": nbytes(self.params),
+            "weight_versions": sum(nbytes(slot) for slot in self.slots),
+            "optimizer_state": nbytes(state),
+            "error_feedback": nbytes(ef),
+            "in_flight_microbatches": len(self._inflight),
+        }
+
     # ---- checkpoint -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Both weight versions, counters and the Error-Feedback buffers (call after :meth:`drain`)."""

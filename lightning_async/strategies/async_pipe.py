@@ -290,6 +290,28 @@ class AsyncPipelineStrategy(DDPStrategy):
     def on_train_end(self) -> None:
         if self.runtime is not None:
             self.runtime.drain()
+            self.log_memory()
+
+    def log_memory(self) -> list[dict]:
+        """Gather every rank's :meth:`PipelineRuntime.memory_report`; log it per stage (MiB) on rank 0."""
+        report = dict(self.runtime.memory_report(), stage=self.stage, replica=self.data_parallel_rank)
+        if self.root_device.type == "cuda":
+            report["cuda_peak_allocated"] = torch.cuda.max_memory_allocated(self.root_device)
+        reports = [report]
+        if dist.is_initialized() and self.world > 1:
+            reports = [None] * self.world
+            dist.all_gather_object(reports, report)
+        self.memory_reports = reports
+        logger = self.lightning_module.logger if self.lightning_module is not None else None
+        if self.global_rank == 0:
+            for r in reports:
+                if r["replica"] != 0:
+                    continue
+                sizes = {k: v / 2**20 for k, v in r.items() if k not in ("stage", "replica", "in_flight_microbatches")}
+                rank_zero_info(f"async_pipe memory, stage {r['stage']}: " + ", ".join(f"{k} {v:.1f} MiB" for k, v in sizes.items()))
+                if logger is not None:
+                    logger.log_metrics({f"memory/stage{r['stage']}/{k}_mib": v for k, v in sizes.items()})
+        return reports
 
     # ---- checkpoints ----------------------------------------------------------------------------
     def lightning_module_state_dict(self) -> dict[str, Any]:

@@ -1,0 +1,191 @@
+"""Eager vs ``torch.compile`` of the decoder blocks: tokens/s of a full training step, and under the 2BW runtime.
+
+Two comparisons per model (default ``tiny``; add ``small`` with ``--models tiny small``), batch 16 x 128 tokens:
+
+* **plain**: ``CausalLM(model, compile=False).model`` vs ``CausalLM(model, compile=True).model`` (each
+  ``DecoderBlock`` wrapped by ``torch.compile``), same initial weights; one step is forward + backward +
+  AdamW ``step()`` + ``zero_grad()``.
+* **2bw runtime**: a one-process ``PipelineRuntime(schedule="2bw")`` over the same model's ``pipeline_units()``
+  (m micro-batches per batch), i.e. every forward goes through ``torch.func.functional_call`` with the tensors
+  of weight slot ``b % 2`` substituted into the compiled blocks; one step is ``train_batch``.
+
+The first compiled step (or the first two batches under 2BW, one per weight slot) is timed separately as
+compile time (first-call wall time minus the median compiled step) and excluded, as are ``--warmup`` further
+steps. Timed steps of the eager and compiled variants are interleaved (one of each per round), so machine-load
+drifts hit both; the ratio is the number to read. Dynamo's counters are read after each of the first batches
+(and at the end) to see whether the runtime path recompiles for the second weight slot or later.
+
+    python benchmarks/compile_speed.py --json runs/compile_speed.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from lightning_async.lm import CausalLM
+from lightning_async.models.objective import next_token_loss, split_next_token
+from lightning_async.optim import build_optimizer
+from lightning_async.pipeline.runtime import PipelineRuntime, StageModule
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def dynamo_stats() -> dict:
+    from torch._dynamo.utils import counters
+
+    stats = counters["stats"]
+    return {
+        "unique_graphs": int(stats.get("unique_graphs", 0)),
+        "calls_captured": int(stats.get("calls_captured", 0)),
+        "recompiles": int(sum(counters["recompiles"].values())) if "recompiles" in counters else 0,
+    }
+
+
+def build(name: str, compiled: bool, device: torch.device) -> CausalLM:
+    torch.manual_seed(0)
+    lm = CausalLM(model=name, compile=compiled).to(device)
+    return lm
+
+
+def plain_step(lm: CausalLM, opt, batch: torch.Tensor) -> None:
+    inputs, targets = split_next_token(batch)
+    next_token_loss(lm.model(inputs), targets).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def make_runtime(lm: CausalLM, m: int) -> PipelineRuntime:
+    stage = StageModule(lm.pipeline_units())
+    opt = build_optimizer("adamw", list(stage.named_parameters()), lr=1e-3, weight_decay=0.1)
+    return PipelineRuntime(stage, opt, "2bw", m, split_next_token, next_token_loss, autocast=contextlib.nullcontext)
+
+
+def timed(fn, device) -> float:
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def compare(name: str, path: str, args, device: torch.device, batches) -> dict:
+    """Eager vs compiled for ``path`` in ``("plain", "2bw")``; returns timings, ratio and dynamo counters."""
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    variants = {}
+    for label, compiled in (("eager", False), ("compiled", True)):
+        lm = build(name, compiled, device)
+        if path == "plain":
+            opt = build_optimizer("adamw", list(lm.model.named_parameters()), lr=1e-3, weight_decay=0.1)
+            step = lambda batch, lm=lm, opt=opt: plain_step(lm, opt, batch)  # noqa: E731
+        else:
+            runtime = make_runtime(lm, args.microbatches)
+            step = runtime.train_batch
+        variants[label] = {"step": step, "lm": lm}
+
+    tokens = args.batch * args.seq_len
+    out = {"model": name, "path": path, "tokens_per_step": tokens,
+           "params": sum(p.numel() for p in variants["eager"]["lm"].parameters())}
+    # First calls: compile. Under 2BW the first two batches use the two weight slots.
+    first_calls = 2 if path == "2bw" else 1
+    out["first_calls_s"] = {}
+    out["dynamo_after_call"] = []
+    for label in ("eager", "compiled"):
+        times = []
+        for i in range(first_calls):
+            times.append(timed(lambda: variants[label]["step"](batches[i % len(batches)]), device))
+            if label == "compiled":
+                out["dynamo_after_call"].append(dynamo_stats())
+        out["first_calls_s"][label] = times
+    k = first_calls
+    for _ in range(args.warmup):
+        for label in ("eager", "compiled"):
+            variants[label]["step"](batches[k % len(batches)])
+        k += 1
+    out["dynamo_after_warmup"] = dynamo_stats()
+    samples = {"eager": [], "compiled": []}
+    for r in range(args.reps):
+        order = ("eager", "compiled") if r % 2 == 0 else ("compiled", "eager")
+        for label in order:
+            samples[label].append(timed(lambda: variants[label]["step"](batches[k % len(batches)]), device))
+        k += 1
+    out["dynamo_end"] = dynamo_stats()
+    for label in ("eager", "compiled"):
+        med = statistics.median(samples[label])
+        out[label] = {"median_step_s": med, "min_step_s": min(samples[label]), "tokens_per_s": tokens / med,
+                      "steps_s": samples[label]}
+    med_c = out["compiled"]["median_step_s"]
+    out["compile_s"] = sum(t - med_c for t in out["first_calls_s"]["compiled"])
+    out["speedup"] = out["eager"]["median_step_s"] / med_c
+    out["recompiled_after_first_call"] = out["dynamo_end"]["unique_graphs"] > out["dynamo_after_call"][0]["unique_graphs"]
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    head = ("model", "path", "eager tok/s", "compiled tok/s", "compiled / eager", "compile time s",
+            "graphs after 1st call / end", "recompiles")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        lines.append("| " + " | ".join([
+            r["model"], r["path"], f"{r['eager']['tokens_per_s']:.0f}", f"{r['compiled']['tokens_per_s']:.0f}",
+            f"{r['speedup']:.3f}", f"{r['compile_s']:.1f}",
+            f"{r['dynamo_after_call'][0]['unique_graphs']} / {r['dynamo_end']['unique_graphs']}",
+            str(r["dynamo_end"]["recompiles"]),
+        ]) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["tiny"], choices=["tiny", "small", "smollm2-135m", "smollm2-360m"])
+    parser.add_argument("--paths", nargs="+", default=["plain", "2bw"], choices=["plain", "2bw"])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--microbatches", type=int, default=2, help="m of the 2bw runtime path")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=8, help="timed steps per variant")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    t0 = time.perf_counter()
+    rows = []
+    for name in args.models:
+        vocab = CausalLM(model=name).config.vocab_size if name in ("tiny", "small") else 49152
+        g = torch.Generator().manual_seed(1)
+        batches = [torch.randint(0, vocab, (args.batch, args.seq_len + 1), generator=g).to(device) for _ in range(4)]
+        for path in args.paths:
+            r = compare(name, path, args, device, batches)
+            rows.append(r)
+            print(f"{name} {path}: eager {r['eager']['tokens_per_s']:.0f} tok/s, compiled "
+                  f"{r['compiled']['tokens_per_s']:.0f} tok/s (x{r['speedup']:.3f}), compile {r['compile_s']:.1f} s, "
+                  f"dynamo graphs per call {[d['unique_graphs'] for d in r['dynamo_after_call']]} -> "
+                  f"{r['dynamo_end']['unique_graphs']} at the end", flush=True)
+    print()
+    print(table(rows))
+    total = time.perf_counter() - t0
+    print(f"\ndevice {device}, torch {torch.__version__}, {torch.get_num_threads()} threads, {total:.0f} s in total")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"settings": vars(args), "torch": torch.__version__, "threads": torch.get_num_threads(),
+                       "seconds": total, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""``PipelineRuntime.memory_report()``: exact byte counts on one process (one stage, the tiny test model).
+
+The expected sizes are computed from the model shape (not from the runtime's tensors): parameters from
+``SHAPE``, AdamW state as two fp32 moments per parameter plus one fp32 step counter per parameter tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from lightning_async.models.objective import next_token_loss, split_next_token
+from lightning_async.optim import build_optimizer
+from lightning_async.optim.error_feedback import ErrorFeedbackCorrection
+from lightning_async.pipeline.runtime import PipelineRuntime, StageModule
+from lightning_async.pipeline.simulator import memory_model
+
+from _pipeline_harness import SHAPE, make_batches, make_model
+
+FP32 = 4
+
+
+def expected_parameter_tensors() -> list[int]:
+    """Element counts of the tiny model's unique parameter tensors (the LM head is tied to the embedding)."""
+    v, h, f, n = SHAPE["vocab_size"], SHAPE["hidden_size"], SHAPE["ffn_size"], SHAPE["num_layers"]
+    head_dim = h // SHAPE["num_heads"]
+    kv = SHAPE["num_kv_heads"] * head_dim
+    block = [h, h * h, h * kv, h * kv, h * h, h, h * f, h * f, f * h]  # norms, q k v o, norm, gate up down
+    return [v * h] + block * n + [h]  # embedding, blocks, final norm
+
+
+def make_runtime(schedule: str, ef: float | None, m: int = 2) -> PipelineRuntime:
+    model = make_model()
+    stage = StageModule([(f"model.{name}", unit) for name, unit in model.pipeline_units()])
+    opt = build_optimizer("adamw", list(stage.named_parameters()), lr=1e-3, weight_decay=0.1)
+    return PipelineRuntime(
+        stage, opt, schedule, m, split_next_token, next_token_loss,
+        error_feedback=None if ef is None else ErrorFeedbackCorrection(ef), autocast=contextlib.nullcontext,
+    )
+
+
+def train(runtime: PipelineRuntime, steps: int = 3) -> dict[str, int]:
+    for batch in make_batches(steps):
+        runtime.train_batch(batch)
+    runtime.drain()
+    return runtime.memory_report()
+
+
+def test_expected_shape_matches_model():
+    sizes = expected_parameter_tensors()
+    model = make_model()
+    assert sorted(p.numel() for p in model.parameters()) == sorted(sizes)
+
+
+@pytest.mark.parametrize(
+    "schedule, ef, versions, ef_buffers",
+    [("2bw", None, 2, 0), ("2bw", 0.0, 2, 0), ("2bw", 1.0, 2, 1), ("1f1b", None, 1, 0), ("gpipe", None, 1, 0)],
+)
+def test_memory_report_exact_bytes(schedule, ef, versions, ef_buffers):
+    sizes = expected_parameter_tensors()
+    params = sum(sizes) * FP32
+    adamw = 2 * params + len(sizes) * FP32  # exp_avg + exp_avg_sq, plus a float32 scalar `step` per tensor
+    report = train(make_runtime(schedule, ef))
+    assert report == {
+        "parameters": params,
+        "weight_versions": versions * params,
+        "optimizer_state": adamw,
+        "error_feedback": ef_buffers * params,
+        "in_flight_microbatches": 0,
+    }
+
+
+def test_report_before_training_has_no_optimizer_or_ef_state():
+    runtime = make_runtime("2bw", 1.0)
+    report = runtime.memory_report()
+    params = sum(expected_parameter_tensors()) * FP32
+    assert report["weight_versions"] == 2 * params
+    assert report["optimizer_state"] == 0 and report["error_feedback"] == 0  # both are allocated lazily
+
+
+def test_report_agrees_with_simulator_memory_model():
+    """The measured weight and EF terms are the ones ``simulator.memory_model`` adds for 2BW and for EF."""
+    sync, twobw, ef = (train(make_runtime(s, e)) for s, e in (("1f1b", None), ("2bw", None), ("2bw", 1.0)))
+    (model,) = memory_model(sync["parameters"], sync["optimizer_state"], 0, inflight_sync=[0])
+    assert model.twobw - model.sync == twobw["weight_versions"] - sync["weight_versions"]
+    assert model.twobw_ef - model.twobw == ef["error_feedback"]
+    assert model.optimizer == twobw["optimizer_state"] == ef["optimizer_state"]
+
+
+def test_memory_report_counts_microbatches_in_flight():
+    runtime = make_runtime("2bw", None, m=2)
+    batches = make_batches(2)
+    seen = []
+    original = runtime._backward
+
+    def spy(mb, grad):
+        seen.append(runtime.memory_report()["in_flight_microbatches"])
+        return original(mb, grad)
+
+    runtime._backward = spy
+    for batch in batches:
+        runtime.train_batch(batch)
+    runtime.drain()
+    assert max(seen) >= 1  # one stage: each forward is followed by its backward
+    assert runtime.memory_report()["in_flight_microbatches"] == 0
