@@ -295,7 +295,8 @@ def analytic(args) -> list[dict]:
                     inflight_1f1b=sims["1f1b"].peak_inflight[s], inflight_2bw=sims["2bw"].peak_inflight[s],
                     activations_1f1b=x.activations_sync, activations_2bw=x.activations_2bw,
                     total_1f1b=x.sync, total_2bw=x.twobw, total_2bw_ef=x.twobw_ef,
-                    total_2bw_runtime=x.twobw + x.grads,  # the runtime holds a pending gradient next to the next batch's
+                    # the runtime as written holds batch b's gradients (pending until call b + 2) next to b + 1's
+                    total_2bw_runtime=x.twobw + x.grads, total_2bw_ef_runtime=x.twobw_ef + x.grads,
                 ))
     return rows
 
@@ -333,7 +334,8 @@ def measured_table(rows: list[dict], cuda: bool) -> str:
 
 def analytic_table(rows: list[dict]) -> str:
     head = ("model", "p (m=2p)", "stage", "layers", "params M", "weights GiB", "AdamW GiB", "act / µb GiB",
-            "in-flight", "1f1b GiB", "2bw GiB", "2bw+EF GiB", "2bw / 1f1b", "2bw+EF / 1f1b")
+            "in-flight", "1f1b GiB", "2bw GiB", "2bw+EF GiB", "2bw / 1f1b", "2bw+EF / 1f1b",
+            "2bw+EF as run GiB")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         lines.append("| " + " | ".join([
@@ -342,6 +344,7 @@ def analytic_table(rows: list[dict]) -> str:
             f"{r['inflight_1f1b']}" + ("" if r["inflight_1f1b"] == r["inflight_2bw"] else f"/{r['inflight_2bw']}"),
             _gib(r["total_1f1b"]), _gib(r["total_2bw"]), _gib(r["total_2bw_ef"]),
             f"{r['total_2bw'] / r['total_1f1b']:.3f}", f"{r['total_2bw_ef'] / r['total_1f1b']:.3f}",
+            _gib(r["total_2bw_ef"] + r["grad_bytes"]),
         ]) + " |")
     return "\n".join(lines)
 

@@ -96,9 +96,10 @@ def pipeline_run(stages: int, schedule: str, optimizer: str, ef: float, steps: i
         gradient_clip_val=clip, error_feedback=ErrorFeedbackCorrection(ef) if ef else None,
         tied_parameters=tied, count_tied_in_norm=stage == 0, autocast=contextlib.nullcontext,
     )
+    replicas, replica = dist.get_world_size() // stages, rank // stages
     losses = []
     for b, batch in enumerate(make_batches(steps)):
-        runtime.train_batch(batch)
+        runtime.train_batch(batch.chunk(replicas)[replica])  # data parallel: each replica its shard
         sched.step()
         if b in drain_at:
             runtime.drain()

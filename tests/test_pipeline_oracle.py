@@ -12,34 +12,39 @@ import torch
 from _pipeline_harness import pipeline_run, reference_run, spawn
 
 STEPS = 10
-# (schedule, optimizer, EF strength, clip, drain after these batches)
+# Keyed by the number of processes: (stages, schedule, optimizer, EF strength, clip, drain after these
+# batches). With 4 processes and 2 stages the mesh is 2 stages x 2 data-parallel replicas.
 SCENARIOS = {
     2: [
-        ("2bw", "adamw", 0.0, None, ()),
-        ("2bw", "muon", 1.0, 1.0, (4,)),
-        ("2bw", "lion", 0.0, 0.5, ()),
-        ("2bw", "adan", 0.5, None, ()),
-        ("2bw", "normuon", 1.0, None, ()),
-        ("1f1b", "adamw", 0.0, 1.0, ()),
-        ("gpipe", "muon", 0.0, None, ()),
+        (2, "2bw", "adamw", 0.0, None, ()),
+        (2, "2bw", "muon", 1.0, 1.0, (4,)),
+        (2, "2bw", "lion", 0.0, 0.5, ()),
+        (2, "2bw", "adan", 0.5, None, ()),
+        (2, "2bw", "normuon", 1.0, None, ()),
+        (2, "1f1b", "adamw", 0.0, 1.0, ()),
+        (2, "gpipe", "muon", 0.0, None, ()),
     ],
     4: [
-        ("2bw", "adamw", 1.0, 0.5, (3,)),
-        ("2bw", "muon", 0.0, None, ()),
-        ("2bw", "mars", 1.0, None, ()),
-        ("1f1b", "adamw", 0.0, None, ()),
+        (4, "2bw", "adamw", 1.0, 0.5, (3,)),
+        (4, "2bw", "muon", 0.0, None, ()),
+        (4, "2bw", "mars", 1.0, None, ()),
+        (4, "1f1b", "adamw", 0.0, None, ()),
+        (2, "2bw", "adamw", 1.0, 1.0, ()),  # pipeline x data parallel
     ],
 }
 
 
-def _all_scenarios(stages: int) -> list:
-    return [pipeline_run(stages, s, opt, ef, STEPS, clip, m=stages, drain_at=drain) for s, opt, ef, clip, drain in SCENARIOS[stages]]
+def _all_scenarios(world: int) -> list:
+    return [
+        pipeline_run(stages, s, opt, ef, STEPS, clip, m=stages, drain_at=drain)
+        for stages, s, opt, ef, clip, drain in SCENARIOS[world]
+    ]
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["2-stages", "4-stages"])
+@pytest.fixture(scope="module", params=[2, 4], ids=["2-processes", "4-processes"])
 def pipeline_results(request):
-    stages = request.param
-    return stages, spawn(stages, _all_scenarios, stages)
+    world = request.param
+    return world, spawn(world, _all_scenarios, world)
 
 
 def _merge(per_rank: list, index: int) -> dict[str, torch.Tensor]:
@@ -50,27 +55,29 @@ def _merge(per_rank: list, index: int) -> dict[str, torch.Tensor]:
 
 
 def test_pipeline_equals_single_device_rule(pipeline_results):
-    stages, per_rank = pipeline_results
-    for index, (schedule, opt, ef, clip, _) in enumerate(SCENARIOS[stages]):
+    world, per_rank = pipeline_results
+    for index, (stages, schedule, opt, ef, clip, _) in enumerate(SCENARIOS[world]):
         delay = 1 if schedule == "2bw" else 0
-        reference = reference_run(opt, delay, ef, STEPS, clip, microbatches=stages)
-        weights = _merge(per_rank, index)
-        assert set(weights) <= set(reference) and len(weights) >= len(reference) - 1  # tied head may appear once
-        worst = max((weights[n] - reference[n]).abs().max().item() for n in weights)
-        assert worst < 2e-5, f"{stages} stages, {schedule}/{opt}/ef={ef}/clip={clip}: max |diff| = {worst}"
+        replicas = world // stages
+        reference = reference_run(opt, delay, ef, STEPS, clip, microbatches=stages * replicas)
+        for replica in range(replicas):  # every replica holds the same weights
+            weights = _merge(per_rank[replica * stages : (replica + 1) * stages], index)
+            assert set(weights) <= set(reference) and len(weights) >= len(reference) - 1  # tied head may appear once
+            worst = max((weights[n] - reference[n]).abs().max().item() for n in weights)
+            assert worst < 2e-5, f"{stages} stages x {replicas}, {schedule}/{opt}/ef={ef}/clip={clip}: max |diff| = {worst}"
 
 
 def test_negative_control_2bw_differs_from_sync(pipeline_results):
-    stages, per_rank = pipeline_results
+    world, per_rank = pipeline_results
     two_bw = _merge(per_rank, 0)  # 2bw adamw
-    _, opt, _, clip, _ = SCENARIOS[stages][0]
+    stages, _, opt, _, clip, _ = SCENARIOS[world][0]
     sync = reference_run(opt, 0, 0.0, STEPS, clip, microbatches=stages)
     assert max((two_bw[n] - sync[n]).abs().max().item() for n in two_bw) > 1e-4
 
 
 def test_losses_reach_every_rank_and_match(pipeline_results):
-    stages, per_rank = pipeline_results
-    for index, (schedule, *_rest) in enumerate(SCENARIOS[stages]):
+    world, per_rank = pipeline_results
+    for index, (_stages, schedule, *_rest) in enumerate(SCENARIOS[world]):
         losses = [rank_results[index][1] for rank_results in per_rank]
         assert all(loss == losses[0] for loss in losses), "every rank must log the same loss"
         values = [x for x in losses[0] if x is not None]

@@ -1,0 +1,53 @@
+"""Partitioning the unit sequence into stages."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from lightning_async.pipeline.partition import balanced_boundaries, partition_units
+
+
+def units(sizes: list[int]) -> list[tuple[str, nn.Module]]:
+    return [(f"u{i}", nn.Linear(s, 1, bias=False)) for i, s in enumerate(sizes)]
+
+
+def test_balanced_boundaries_minimise_the_largest_stage():
+    assert balanced_boundaries([1, 1, 1, 1], 2) == [0, 2]
+    assert balanced_boundaries([8, 1, 1, 1, 1, 1, 1, 1, 1], 2) == [0, 1]
+    costs = [3, 1, 4, 1, 5, 9, 2, 6]
+    starts = balanced_boundaries(costs, 3)
+    ends = starts[1:] + [len(costs)]
+    worst = max(sum(costs[a:b]) for a, b in zip(starts, ends))
+    assert worst == 14  # [3 1 4 1] [5 9] [2 6] is optimal: total 31 over 3 stages cannot go below 14 here
+
+
+def test_every_method_gives_contiguous_non_empty_stages():
+    seq = units([4, 4, 4, 4, 4, 64])
+    assert partition_units(seq, 3, "uniform") == [["u0", "u1"], ["u2", "u3"], ["u4", "u5"]]
+    assert partition_units(seq, 2, "parameters") == [["u0", "u1", "u2", "u3", "u4"], ["u5"]]
+    timed = partition_units(seq, 2, "time", example_input=object(), time_fn=lambda mods, x: [1, 1, 1, 1, 1, 1.5])
+    assert timed == [["u0", "u1", "u2"], ["u3", "u4", "u5"]]
+    assert partition_units(seq, 3, ["u2", "u5"]) == [["u0", "u1"], ["u2", "u3", "u4"], ["u5"]]
+
+
+def test_tied_weights_count_once_in_parameter_balance():
+    a, b = nn.Linear(10, 10, bias=False), nn.Linear(10, 10, bias=False)
+    head = nn.Linear(10, 10, bias=False)
+    head.weight = a.weight
+    assert partition_units([("a", a), ("b", b), ("head", head)], 2, "parameters") == [["a"], ["b", "head"]]
+
+
+@pytest.mark.parametrize(
+    "stages, method, message",
+    [
+        (7, "uniform", "Cannot split 6 pipeline units into 7 stages"),
+        (2, "random", "Unknown partition method 'random'"),
+        (2, "time", "needs an example input"),
+        (2, ["nope"], "Unknown pipeline unit"),
+        (3, ["u2"], "make 2 stages, but the pipeline has 3"),
+    ],
+)
+def test_bad_partitions_name_the_fix(stages, method, message):
+    with pytest.raises(ValueError, match=message):
+        partition_units(units([1] * 6), stages, method)
