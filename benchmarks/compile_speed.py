@@ -10,12 +10,13 @@ Two comparisons per model (default ``tiny``; add ``small`` with ``--models tiny 
   of weight slot ``b % 2`` substituted into the compiled blocks; one step is ``train_batch``.
 
 The first compiled step (or the first two batches under 2BW, one per weight slot) is timed separately as
-compile time (first-call wall time minus the median compiled step) and excluded, as are ``--warmup`` further
-steps. Timed steps of the eager and compiled variants are interleaved (one of each per round), so machine-load
-drifts hit both; the ratio is the number to read. Dynamo's counters are read after each of the first batches
-(and at the end) to see whether the runtime path recompiles for the second weight slot or later.
+compile time (first-call wall time minus the median compiled step; Inductor's on-disk caches make a repeated
+run compile much faster, ``--no-compile-cache`` measures a cold compile) and excluded, as are ``--warmup``
+further steps. Timed steps of the eager and compiled variants are interleaved (one of each per round), so machine-load
+drifts hit both; the ratio is the number to read. Dynamo's ``unique_graphs`` counter is read after each of the first
+calls and at the end: a graph added after the first call is a recompilation (e.g. for the second weight slot).
 
-    python benchmarks/compile_speed.py --json runs/compile_speed.json
+    python benchmarks/compile_speed.py --threads 1 --json runs/compile_speed.json
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import time
 import torch
 
 from lightning_async.lm import CausalLM
+from lightning_async.models import MODEL_CONFIGS, model_config
 from lightning_async.models.objective import next_token_loss, split_next_token
 from lightning_async.optim import build_optimizer
 from lightning_async.pipeline.runtime import PipelineRuntime, StageModule
@@ -47,7 +49,7 @@ def dynamo_stats() -> dict:
     return {
         "unique_graphs": int(stats.get("unique_graphs", 0)),
         "calls_captured": int(stats.get("calls_captured", 0)),
-        "recompiles": int(sum(counters["recompiles"].values())) if "recompiles" in counters else 0,
+        "graph_breaks": int(sum(counters["graph_break"].values())),
     }
 
 
@@ -57,17 +59,26 @@ def build(name: str, compiled: bool, device: torch.device) -> CausalLM:
     return lm
 
 
-def plain_step(lm: CausalLM, opt, batch: torch.Tensor) -> None:
+def autocast_factory(device: torch.device, dtype: str | None):
+    """``None``: full precision; ``"bf16"``: ``torch.autocast`` to bfloat16 (what bf16-mixed does)."""
+    if dtype is None:
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def plain_step(lm: CausalLM, opt, batch: torch.Tensor, autocast=contextlib.nullcontext) -> None:
     inputs, targets = split_next_token(batch)
-    next_token_loss(lm.model(inputs), targets).backward()
+    with autocast():
+        logits = lm.model(inputs)
+    next_token_loss(logits, targets).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
 
 
-def make_runtime(lm: CausalLM, m: int) -> PipelineRuntime:
+def make_runtime(lm: CausalLM, m: int, autocast=contextlib.nullcontext) -> PipelineRuntime:
     stage = StageModule(lm.pipeline_units())
     opt = build_optimizer("adamw", list(stage.named_parameters()), lr=1e-3, weight_decay=0.1)
-    return PipelineRuntime(stage, opt, "2bw", m, split_next_token, next_token_loss, autocast=contextlib.nullcontext)
+    return PipelineRuntime(stage, opt, "2bw", m, split_next_token, next_token_loss, autocast=autocast)
 
 
 def timed(fn, device) -> float:
@@ -85,19 +96,21 @@ def compare(name: str, path: str, args, device: torch.device, batches) -> dict:
 
     counters.clear()
     variants = {}
+    autocast = autocast_factory(device, args.autocast)
     for label, compiled in (("eager", False), ("compiled", True)):
         lm = build(name, compiled, device)
         if path == "plain":
             opt = build_optimizer("adamw", list(lm.model.named_parameters()), lr=1e-3, weight_decay=0.1)
-            step = lambda batch, lm=lm, opt=opt: plain_step(lm, opt, batch)  # noqa: E731
+            step = lambda batch, lm=lm, opt=opt: plain_step(lm, opt, batch, autocast)  # noqa: E731
         else:
-            runtime = make_runtime(lm, args.microbatches)
+            runtime = make_runtime(lm, args.microbatches, autocast)
             step = runtime.train_batch
         variants[label] = {"step": step, "lm": lm}
 
     tokens = args.batch * args.seq_len
     out = {"model": name, "path": path, "tokens_per_step": tokens,
-           "params": sum(p.numel() for p in variants["eager"]["lm"].parameters())}
+           "params": sum(p.numel() for p in variants["eager"]["lm"].parameters()),
+           "flops_per_token": variants["eager"]["lm"].flops_per_token(args.seq_len)}
     # First calls: compile. Under 2BW the first two batches use the two weight slots.
     first_calls = 2 if path == "2bw" else 1
     out["first_calls_s"] = {}
@@ -126,56 +139,79 @@ def compare(name: str, path: str, args, device: torch.device, batches) -> dict:
         med = statistics.median(samples[label])
         out[label] = {"median_step_s": med, "min_step_s": min(samples[label]), "tokens_per_s": tokens / med,
                       "steps_s": samples[label]}
+        if args.peak_tflops:
+            out[label]["mfu"] = out["flops_per_token"] * tokens / med / (args.peak_tflops * 1e12)
     med_c = out["compiled"]["median_step_s"]
     out["compile_s"] = sum(t - med_c for t in out["first_calls_s"]["compiled"])
     out["speedup"] = out["eager"]["median_step_s"] / med_c
-    out["recompiled_after_first_call"] = out["dynamo_end"]["unique_graphs"] > out["dynamo_after_call"][0]["unique_graphs"]
+    # Per-round ratios (the two steps of a round ran back to back) and the ratio of the fastest steps: both are
+    # steadier than the ratio of medians when the machine's load drifts during the run.
+    out["speedup_paired_median"] = statistics.median(e / c for e, c in zip(samples["eager"], samples["compiled"]))
+    out["speedup_min"] = out["eager"]["min_step_s"] / out["compiled"]["min_step_s"]
+    first_graphs = out["dynamo_after_call"][0]["unique_graphs"]
+    out["graphs_after_first_call"] = out["dynamo_end"]["unique_graphs"] - first_graphs  # recompilations
     return out
 
 
 def table(rows: list[dict]) -> str:
-    head = ("model", "path", "eager tok/s", "compiled tok/s", "compiled / eager", "compile time s",
-            "graphs after 1st call / end", "recompiles")
+    head = ("model", "path", "eager tok/s", "compiled tok/s", "compiled / eager (medians)", "paired", "fastest",
+            "compile time s", "graphs after 1st call / end", "graph breaks")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         lines.append("| " + " | ".join([
             r["model"], r["path"], f"{r['eager']['tokens_per_s']:.0f}", f"{r['compiled']['tokens_per_s']:.0f}",
-            f"{r['speedup']:.3f}", f"{r['compile_s']:.1f}",
+            f"{r['speedup']:.3f}", f"{r['speedup_paired_median']:.3f}", f"{r['speedup_min']:.3f}",
+            f"{r['compile_s']:.1f}",
             f"{r['dynamo_after_call'][0]['unique_graphs']} / {r['dynamo_end']['unique_graphs']}",
-            str(r["dynamo_end"]["recompiles"]),
+            str(r["dynamo_end"]["graph_breaks"]),
         ]) + " |")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["tiny"], choices=["tiny", "small", "smollm2-135m", "smollm2-360m"])
+    parser.add_argument("--models", nargs="+", default=["tiny"], choices=list(MODEL_CONFIGS))
     parser.add_argument("--paths", nargs="+", default=["plain", "2bw"], choices=["plain", "2bw"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--microbatches", type=int, default=2, help="m of the 2bw runtime path")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--reps", type=int, default=8, help="timed steps per variant")
+    parser.add_argument("--reps", type=int, default=12, help="timed steps per variant")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--autocast", default=None, choices=["bf16"], help="bf16 autocast of the forwards")
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="device peak, e.g. 989 for H200 dense bf16: adds MFU (6N + 12LHT FLOPs/token)")
+    parser.add_argument("--no-compile-cache", action="store_true",
+                        help="disable Inductor's FX-graph and AOT-autograd caches (cold compile time)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if args.no_compile_cache:
+        from torch._functorch import config as functorch_config
+        from torch._inductor import config as inductor_config
+
+        inductor_config.fx_graph_cache = False
+        functorch_config.enable_autograd_cache = False
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     t0 = time.perf_counter()
     rows = []
     for name in args.models:
-        vocab = CausalLM(model=name).config.vocab_size if name in ("tiny", "small") else 49152
+        vocab = model_config(name).vocab_size
         g = torch.Generator().manual_seed(1)
         batches = [torch.randint(0, vocab, (args.batch, args.seq_len + 1), generator=g).to(device) for _ in range(4)]
         for path in args.paths:
             r = compare(name, path, args, device, batches)
             rows.append(r)
             print(f"{name} {path}: eager {r['eager']['tokens_per_s']:.0f} tok/s, compiled "
-                  f"{r['compiled']['tokens_per_s']:.0f} tok/s (x{r['speedup']:.3f}), compile {r['compile_s']:.1f} s, "
+                  f"{r['compiled']['tokens_per_s']:.0f} tok/s (x{r['speedup']:.3f}, "
+                  f"paired x{r['speedup_paired_median']:.3f}), compile {r['compile_s']:.1f} s, "
                   f"dynamo graphs per call {[d['unique_graphs'] for d in r['dynamo_after_call']]} -> "
-                  f"{r['dynamo_end']['unique_graphs']} at the end", flush=True)
+                  f"{r['dynamo_end']['unique_graphs']} at the end"
+                  + (f", MFU eager {r['eager']['mfu']:.3f}, compiled {r['compiled']['mfu']:.3f}"
+                     if args.peak_tflops else ""),
+                  flush=True)
     print()
     print(table(rows))
     total = time.perf_counter() - t0

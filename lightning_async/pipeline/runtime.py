@@ -5,10 +5,11 @@ for the flushing schedules), runs forwards through ``torch.func.functional_call`
 uses the slot of its batch's version and autograd accumulates into that slot, and applies updates with
 :func:`~lightning_async.optim.delayed_step.delayed_step`, the same code as the single-device simulation.
 
-2BW timing: the update of batch ``b`` is *computed* when the stage has finished batch ``b``'s last
-backward (gradient reductions start then, asynchronously) and *applied* at the start of call ``b + 2``,
-the first moment its result ``V(b + 2)`` is read. Global-norm clipping, data-parallel averaging and
-tied-weight reduction therefore never make one stage wait for another in steady state.
+2BW timing: when the stage has finished batch ``b``'s last backward it takes the gradient and starts its
+reductions asynchronously (global norm for clipping, tied weights). The update ``V(b + 2)`` is applied as
+soon as those have finished (checked between actions), and at the latest at the start of call ``b + 2``,
+the first moment ``V(b + 2)`` is read. So clipping by the global norm and tied-weight sums never make one
+stage wait for another in steady state, and a gradient buffer is held only while its reductions run.
 """
 
 from __future__ import annotations
@@ -233,6 +234,13 @@ class PipelineRuntime:
                 pending.works.append(dist.all_reduce(sq, group=g.pipeline, async_op=True))
         self._pending[batch] = pending
 
+    def _apply_ready_updates(self) -> None:
+        """Apply pending updates whose reductions have finished (frees their gradient buffers early)."""
+        for batch in list(self._pending):
+            if not all(work.is_completed() for work in self._pending[batch].works):
+                return  # updates are applied in batch order
+            self._apply_update(batch)
+
     def _apply_update(self, batch: int) -> None:
         pending = self._pending.pop(batch)
         wait_collectives(pending.works, f"the gradient reductions of batch {batch}")
@@ -267,6 +275,7 @@ class PipelineRuntime:
         received: torch.Tensor | None = None
         for k, action in enumerate(actions):
             nxt = actions[k + 1] if k + 1 < len(actions) else None
+            self._apply_ready_updates()
             if action.kind == UPDATE:
                 self._begin_update(action.batch)
                 if self.schedule != "2bw":

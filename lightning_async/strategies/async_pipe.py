@@ -170,8 +170,8 @@ class AsyncPipelineStrategy(DDPStrategy):
     def configure_ddp(self) -> None:  # no DDP wrapper: gradients are reduced by the runtime
         pass
 
-    def _prune(self, module: nn.Module, units: list[tuple[str, nn.Module]]) -> tuple[list[tuple[str, nn.Module]], list[str]]:
-        """Replace other stages' units by placeholders; return local units and cross-stage tied weights."""
+    def _prune(self, module: nn.Module, units: list[tuple[str, nn.Module]]) -> tuple[StageModule, list[str]]:
+        """Replace other stages' units by placeholders; return this stage's module and cross-stage tied weights."""
         stage_of = {name: s for s, names in enumerate(self.stage_units) for name in names}
         owners: dict[int, set[int]] = {}
         for name, unit in units:
@@ -183,7 +183,7 @@ class AsyncPipelineStrategy(DDPStrategy):
         for name, _ in units:
             if stage_of[name] != self.stage:
                 module.set_submodule(name, NotOnThisStage(name, stage_of[name]))
-        return local, tied
+        return stage_module, tied
 
     def setup(self, trainer) -> None:
         assert self.model is not None and self.accelerator is not None
@@ -210,7 +210,7 @@ class AsyncPipelineStrategy(DDPStrategy):
             raise ValueError("partition='time' measures each unit on module.example_input_array: set it (a batch of inputs).")
         stage_units = partition_units(units, self.pipeline_parallel_size, self.partition, example_input=example)
         self.stage_units = self.broadcast(stage_units)  # measured times differ per rank: rank 0 decides
-        local, tied = self._prune(module, units)
+        stage_module, tied = self._prune(module, units)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         groups = make_pipeline_groups(self.global_rank, self.world, self.pipeline_parallel_size)
@@ -226,12 +226,13 @@ class AsyncPipelineStrategy(DDPStrategy):
         correction = None
         if self.error_feedback:
             correction = ErrorFeedbackCorrection(self.error_feedback, self.extrapolate_weight_decay)
-        optimizer = self.optimizers[0] if self.optimizers else torch.optim.SGD(StageModule(local).parameters(), lr=0.0)
+        # validate/test without fit: the runtime needs an optimizer object but never steps it
+        optimizer = self.optimizers[0] if self.optimizers else torch.optim.SGD(stage_module.parameters(), lr=0.0)
         clip = trainer.gradient_clip_val if trainer.state.fn == TrainerFn.FITTING else None
         if clip and trainer.gradient_clip_algorithm not in (None, "norm"):
             raise ValueError("The pipeline strategy clips by the global norm only: set gradient_clip_algorithm='norm'.")
         self.runtime = PipelineRuntime(
-            StageModule(local),
+            stage_module,
             optimizer,
             self.schedule,
             self.n_microbatches,
