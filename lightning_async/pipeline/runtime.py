@@ -280,6 +280,8 @@ class PipelineRuntime:
                 self._begin_update(action.batch)
                 if self.schedule != "2bw":
                     self._apply_update(action.batch)
+                else:
+                    self._apply_ready_updates()
                 continue
             i = action.microbatch % self.m
             inputs, targets = self._batch_data[action.batch]
