@@ -94,8 +94,6 @@ class CausalLM(LightningModule):
         """Log loss and perplexity of ``split``; in training also tokens seen (all data-parallel ranks)."""
         loss = loss.detach()
         if split == "train":
-            replicas = getattr(self.trainer.strategy, "data_parallel_size", self.trainer.world_size)
-            self.tokens_seen += (batch.shape[0] * (batch.shape[1] - 1)) * replicas
             self.log("train/loss", loss, prog_bar=True)
             self.log("train/ppl", torch.exp(loss))
             self.log("train/tokens", float(self.tokens_seen))
@@ -103,6 +101,11 @@ class CausalLM(LightningModule):
         metric = self.val_loss if split == "val" else self.test_loss
         metric.update(loss, weight=batch.shape[0])
         self.log(f"{split}/loss", metric, prog_bar=split == "val", sync_dist=False)
+
+    def on_train_batch_start(self, batch: torch.Tensor, batch_idx: int) -> None:
+        """Count tokens here, not where the loss is logged: a pipeline reports some losses a step late."""
+        replicas = getattr(self.trainer.strategy, "data_parallel_size", self.trainer.world_size)
+        self.tokens_seen += (batch.shape[0] * (batch.shape[1] - 1)) * replicas
 
     def on_validation_epoch_end(self) -> None:
         self._log_perplexity("val")

@@ -37,9 +37,22 @@ def make_model(seed: int = 0) -> SmolLM2:
     return SmolLM2(model_config("tiny", **SHAPE))
 
 
+SHRUNK_BATCH = 5  # batch index that is half as large (a shape change mid-run)
+
+
 def make_batches(n: int, batch_size: int = 8, seq_len: int = 16, seed: int = 1) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, SHAPE["vocab_size"], (batch_size, seq_len + 1), generator=g) for _ in range(n)]
+    batches = [torch.randint(0, SHAPE["vocab_size"], (batch_size, seq_len + 1), generator=g) for _ in range(n)]
+    if n > SHRUNK_BATCH:
+        batches[SHRUNK_BATCH] = batches[SHRUNK_BATCH][: batch_size // 2]
+    return batches
+
+
+EVAL_BATCH_ROWS = 7  # not divisible by the micro-batch counts used
+
+
+def eval_batch() -> torch.Tensor:
+    return torch.randint(0, SHAPE["vocab_size"], (EVAL_BATCH_ROWS, 17), generator=torch.Generator().manual_seed(9))
 
 
 def lr_lambda(step: int) -> float:
@@ -67,11 +80,22 @@ def reference_run(optimizer: str, delay: int, ef: float, steps: int, clip: float
         wrapped.zero_grad()
         sched.step()
     newest = {id(p): w for p, w in zip(wrapped.params, wrapped.newest_weights())}
-    return {f"model.{n}": newest[id(p)].clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    weights = {f"model.{n}": newest[id(p)].clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    for p in model.parameters():
+        p.data = newest[id(p)]
+    with torch.no_grad():
+        inputs, targets = split_next_token(eval_batch())
+        weights["eval_loss"] = next_token_loss(model(inputs), targets)
+    return weights
 
 
 def pipeline_run(stages: int, schedule: str, optimizer: str, ef: float, steps: int, clip: float | None, m: int, drain_at=()):
-    """Run inside a process of an initialised gloo group; returns this stage's weights by name."""
+    """Run inside a process of an initialised gloo group; returns this stage's weights by name.
+
+    After the batches in ``drain_at`` the pipeline is evaluated under ``torch.inference_mode`` (as Lightning
+    does on NCCL), which drains it; the update rule must not notice. The final evaluation uses a batch whose
+    size the micro-batch count does not divide.
+    """
     rank = dist.get_rank()
     model = make_model()
     units = [(f"model.{n}", u) for n, u in model.pipeline_units()]
@@ -102,12 +126,14 @@ def pipeline_run(stages: int, schedule: str, optimizer: str, ef: float, steps: i
         runtime.train_batch(batch.chunk(replicas)[replica])  # data parallel: each replica its shard
         sched.step()
         if b in drain_at:
-            runtime.drain()
+            with torch.inference_mode():
+                runtime.eval_batch(batch.chunk(replicas)[replica])
         losses.append(runtime.collect_loss(b - 1 if schedule == "2bw" else b) if (b > 0 or schedule != "2bw") else None)
     runtime.drain()
     losses.append(runtime.collect_loss(steps - 1) if schedule == "2bw" else None)
     by_param = {id(p): n for n, p in unique}
     weights = {by_param[id(p)]: p.detach().clone() for p in runtime.params}
+    weights["eval_loss"] = runtime.eval_batch(eval_batch())
     return weights, [None if x is None else float(x) for x in losses]
 
 

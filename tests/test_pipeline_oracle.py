@@ -16,12 +16,12 @@ STEPS = 10
 # batches). With 4 processes and 2 stages the mesh is 2 stages x 2 data-parallel replicas.
 SCENARIOS = {
     2: [
-        (2, "2bw", "adamw", 0.0, None, ()),
+        (2, "2bw", "adamw", 0.0, None, (0,)),
         (2, "2bw", "muon", 1.0, 1.0, (4,)),
         (2, "2bw", "lion", 0.0, 0.5, ()),
         (2, "2bw", "adan", 0.5, None, ()),
         (2, "2bw", "normuon", 1.0, None, ()),
-        (2, "1f1b", "adamw", 0.0, 1.0, ()),
+        (2, "1f1b", "adamw", 0.0, 1.0, (2,)),
         (2, "gpipe", "muon", 0.0, None, ()),
     ],
     4: [

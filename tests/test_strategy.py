@@ -100,9 +100,22 @@ def _fit_regressor() -> list[float]:
     return losses
 
 
+def _fit_then_validate() -> tuple[float, float]:
+    """The same module through fit, then validate with a new Trainer (the module is already split)."""
+    L.seed_everything(0)
+    model = CausalLM(vocab_size=257, model_overrides=SHAPE, lr=3e-3)
+    kwargs = dict(accelerator="cpu", devices=2, logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=2)
+    trainer = L.Trainer(strategy=AsyncPipelineStrategy(n_microbatches=2, partition="parameters"), max_steps=4,
+                        val_check_interval=4, num_sanity_val_steps=0, enable_checkpointing=False, **kwargs)
+    trainer.fit(model, datamodule=TinyData())
+    validated = L.Trainer(strategy=AsyncPipelineStrategy(n_microbatches=2, partition="parameters"), **kwargs)
+    result = validated.validate(model, datamodule=TinyData(), verbose=False)
+    return float(trainer.callback_metrics["val/loss"]), result[0]["val/loss"]
+
+
 def _pipeline_fits(tmp: str) -> dict:
     """Runs on each of two ranks (environment set like torchrun)."""
-    out = {"regressor": _fit_regressor()}
+    out = {"regressor": _fit_regressor(), "fit_then_validate": _fit_then_validate()}
     out["bf16"] = fit(AsyncPipelineStrategy(n_microbatches=2), 2, precision="bf16-mixed")
     ckpt_dir = os.path.join(tmp, "ckpt")
     out["async"] = fit(AsyncPipelineStrategy(n_microbatches=2), 2, ckpt_dir=ckpt_dir)
@@ -225,3 +238,23 @@ def test_any_module_meeting_the_contract_trains(pipeline_fits):
 def test_bf16_autocast_pipeline_trains(pipeline_fits):
     metrics = pipeline_fits[0]["bf16"][1]
     assert 3.0 < metrics["val/loss"] < 6.0
+
+
+def test_validate_after_fit_reuses_the_split(pipeline_fits):
+    for rank in pipeline_fits:
+        after_fit, validated = rank["fit_then_validate"]
+        assert validated == pytest.approx(after_fit, rel=1e-6)
+
+
+def test_spawn_returns_every_stage_to_the_main_process(pipeline_fits):
+    """Notebooks: the spawn launcher hands the trained weights of *all* stages back."""
+    L.seed_everything(0)
+    model = CausalLM(vocab_size=257, model_overrides=SHAPE, optimizer="adamw", lr=3e-3)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=AsyncPipelineStrategy(n_microbatches=2, start_method="spawn"),
+        max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        val_check_interval=4, num_sanity_val_steps=1, limit_val_batches=2, gradient_clip_val=1.0,
+    )
+    trainer.fit(model, datamodule=TinyData())
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    assert _max_diff(state, _merged(pipeline_fits, "async")) < 1e-6

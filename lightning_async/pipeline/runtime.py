@@ -151,6 +151,7 @@ class PipelineRuntime:
         self._batch_data: dict[int, tuple[list, list]] = {}
         self.reported_losses: dict[int, torch.Tensor] = {}  # batch -> mean loss (after the metrics reduce)
         self._loss_works: dict[int, tuple[object, torch.Tensor]] = {}
+        self.last_grad_norm: torch.Tensor | None = None
 
     # ---- version bookkeeping -------------------------------------------------------------------
     def _slot(self, batch: int) -> list[torch.Tensor]:
@@ -246,6 +247,7 @@ class PipelineRuntime:
         wait_collectives(pending.works, f"the gradient reductions of batch {batch}")
         if self.clip and pending.norm_sq is not None:
             norm = pending.norm_sq.sqrt()
+            self.last_grad_norm = norm  # global norm before clipping, for logging
             coef = torch.clamp(self.clip / (norm + 1e-6), max=1.0)
             for x in pending.grads:
                 if x is not None:
@@ -312,7 +314,7 @@ class PipelineRuntime:
         """Run the call for the next training batch (2BW: without flushing the pipeline)."""
         b = self.batches_done
         shape = self.split_batch(batch_data)[0].shape
-        if self.schedule == "2bw" and not self.fresh and shape != self.batch_shape:
+        if not self.fresh and shape != self.batch_shape:
             self.drain()  # a new shape needs a fresh pipeline (and a new header exchange)
         self.batch_shape = shape
         if self.fresh:
@@ -331,10 +333,18 @@ class PipelineRuntime:
             del self._batch_data[done]
 
     def drain(self) -> None:
-        """Empty the pipeline: finish in-flight backwards and apply every pending update."""
+        """Empty the pipeline: finish in-flight backwards and apply every pending update.
+
+        Runs with autograd on and outside inference mode whatever the caller's context: Lightning evaluates
+        under ``torch.inference_mode`` on NCCL, and optimizer state created there could not be updated later.
+        """
         if self.fresh or self.batches_done == 0:
             self.fresh = True
             return
+        with torch.inference_mode(False), torch.enable_grad():
+            self._drain()
+
+    def _drain(self) -> None:
         last = self.batches_done - 1
         self._run(schedules.drain_actions(self.schedule, self.groups.stage, self.groups.num_stages, self.m, last))
         for b in sorted(self._pending):
@@ -343,26 +353,29 @@ class PipelineRuntime:
         self.transport.flush()
         self.fresh = True
 
-    @torch.no_grad()
     def eval_batch(self, batch_data) -> torch.Tensor | None:
-        """Forward-only pipeline at the newest weights; returns the mean loss on every rank."""
+        """Forward-only pipeline at the newest weights; returns the mean loss on every rank.
+
+        Evaluation batches may have any size: micro-batches are cut with ``tensor_split`` (sizes may
+        differ, each message carries its own header) and the loss is weighted by micro-batch size.
+        """
         self.drain()
-        self.transport.reset()
-        self._batch_data[-1] = self._split(batch_data)
-        actions = [schedules.Action(FORWARD, i, -1) for i in range(self.m)]
-        losses = []
+        inputs, targets = self.split_batch(batch_data)
+        chunks = [(x, y) for x, y in zip(inputs.tensor_split(self.m), targets.tensor_split(self.m)) if len(x)]
         t = self.transport
-        for action in actions:
-            inputs, targets = self._batch_data[-1]
-            x = inputs[action.microbatch] if self.is_first else t.exchange(None, None, "act")
-            y = self._forward(action.microbatch, -1, x, targets[action.microbatch], training=False)
-            if self.is_last:
-                losses.append(y.float())
-            else:
-                t.exchange(y, "act", None)
-        del self._batch_data[-1]
-        t.flush()
-        value = torch.stack(losses).mean() if losses else None
+        total, count = torch.zeros((), device=self.device), 0
+        with torch.no_grad():
+            for i, (x, target) in enumerate(chunks):
+                t.reset()  # shapes may differ from one evaluation micro-batch to the next
+                x = x if self.is_first else t.exchange(None, None, "act")
+                y = self._forward(i, -1, x, target, training=False)
+                if self.is_last:
+                    total += y.float() * len(target)
+                    count += len(target)
+                else:
+                    t.exchange(y, "act", None)
+        t.reset()
+        value = total / count if self.is_last else None
         if self.groups.metrics is None:
             return value
         buf = torch.zeros((), device=self.device) if value is None else value.clone()

@@ -17,7 +17,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
@@ -43,6 +45,20 @@ class NotOnThisStage(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.unit!r} on stage {self.stage}"
+
+
+class _PipelineSpawnLauncher(_MultiProcessingLauncher):
+    """Lightning's spawn launcher hands rank 0's ``state_dict`` back to the main process; under a pipeline
+    rank 0 holds only stage 0, so every stage's weights are gathered first."""
+
+    def _collect_rank_zero_results(self, trainer, results):
+        module = trainer.lightning_module
+        full = self._strategy.gather_full_state_dict()
+        module.state_dict = lambda *args, **kwargs: full
+        try:
+            return super()._collect_rank_zero_results(trainer, results)
+        finally:
+            del module.state_dict
 
 
 def check_pipeline_contract(module: nn.Module) -> None:
@@ -166,6 +182,22 @@ class AsyncPipelineStrategy(DDPStrategy):
         self.validate_mesh()
         super().setup_environment()
 
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if isinstance(self._launcher, _MultiProcessingLauncher):
+            self._launcher = _PipelineSpawnLauncher(self, start_method=self._start_method)
+
+    def gather_full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The unsplit module's state dict (newest weights), on every rank (a collective)."""
+        if self.runtime is not None:
+            self.runtime.drain()
+        local = {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()}
+        if not (dist.is_initialized() and self.world > 1):
+            return local
+        gathered: list = [None] * self.world
+        dist.all_gather_object(gathered, local if self.data_parallel_rank == 0 else {})
+        return {k: v for part in gathered for k, v in part.items()}
+
     # ---- setup --------------------------------------------------------------------------------
     def configure_ddp(self) -> None:  # no DDP wrapper: gradients are reduced by the runtime
         pass
@@ -205,12 +237,25 @@ class AsyncPipelineStrategy(DDPStrategy):
             # into training loaders; with one replica there is nothing to shard, so keep the user's.
             trainer._accelerator_connector.use_distributed_sampler = False
         units = list(module.pipeline_units())
-        example = getattr(module, "example_input_array", None)
-        if self.partition == "time" and example is None:
-            raise ValueError("partition='time' measures each unit on module.example_input_array: set it (a batch of inputs).")
-        stage_units = partition_units(units, self.pipeline_parallel_size, self.partition, example_input=example)
-        self.stage_units = self.broadcast(stage_units)  # measured times differ per rank: rank 0 decides
-        stage_module, tied = self._prune(module, units)
+        split_before = getattr(module, "_lightning_async_split", None)
+        if split_before is not None:
+            # validate/test/fit again on a module this strategy already split: reuse that split
+            if len(split_before["stage_units"]) != self.pipeline_parallel_size:
+                raise ValueError(
+                    f"This module was already split into {len(split_before['stage_units'])} pipeline stages; it cannot "
+                    f"be re-split into {self.pipeline_parallel_size}. Build a fresh module (or load the consolidated checkpoint)."
+                )
+            self.stage_units, tied = split_before["stage_units"], split_before["tied"]
+            local = [(n, u) for n, u in units if n in self.stage_units[self.stage]]
+            stage_module = StageModule(local)
+        else:
+            example = getattr(module, "example_input_array", None)
+            if self.partition == "time" and example is None:
+                raise ValueError("partition='time' measures each unit on module.example_input_array: set it (a batch of inputs).")
+            stage_units = partition_units(units, self.pipeline_parallel_size, self.partition, example_input=example)
+            self.stage_units = self.broadcast(stage_units)  # measured times differ per rank: rank 0 decides
+            stage_module, tied = self._prune(module, units)
+            module._lightning_async_split = {"stage_units": self.stage_units, "tied": tied}
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         groups = make_pipeline_groups(self.global_rank, self.world, self.pipeline_parallel_size)
@@ -223,6 +268,16 @@ class AsyncPipelineStrategy(DDPStrategy):
             if len(self.optimizers) != 1:
                 raise ValueError("The pipeline strategy supports exactly one optimizer per stage (use the zoo's composite optimizers).")
         self.setup_precision_plugin()
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ValueError(
+                "precision='16-mixed' needs loss scaling, which the pipeline strategy does not do yet. "
+                "Use precision='bf16-mixed' (or '32-true')."
+            )
+        if isinstance(self.cluster_environment, SLURMEnvironment):
+            # Lightning's requeue handler saves a checkpoint from inside a signal handler, at an arbitrary point
+            # of a pipeline call on every rank; that cannot be drained consistently.
+            self.cluster_environment.auto_requeue = False
+        self._synchronize_initial_weights(groups, stage_module, tied)
         correction = None
         if self.error_feedback:
             correction = ErrorFeedbackCorrection(self.error_feedback, self.extrapolate_weight_decay)
@@ -247,6 +302,20 @@ class AsyncPipelineStrategy(DDPStrategy):
             device=self.root_device,
         )
 
+    def _synchronize_initial_weights(self, groups, stage_module: StageModule, tied: list[str]) -> None:
+        """Tied copies start equal to stage 0's, replicas to replica 0's (the strategy has no DDP wrapper to do it)."""
+        if not (dist.is_initialized() and self.world > 1):
+            return
+        named = dict(stage_module.named_parameters())
+        with torch.no_grad():
+            if groups.tied is not None and tied:
+                first = self.data_parallel_rank * self.pipeline_parallel_size
+                for name in tied:
+                    dist.broadcast(named[name].data, src=first, group=groups.tied)
+            if groups.data_parallel is not None and self.data_parallel_size > 1:
+                for p in stage_module.parameters():
+                    dist.broadcast(p.data, src=self.stage, group=groups.data_parallel)
+
     # ---- steps --------------------------------------------------------------------------------
     def _log_loss(self, split: str, loss: torch.Tensor | None, batch) -> None:
         if loss is None:
@@ -267,6 +336,8 @@ class AsyncPipelineStrategy(DDPStrategy):
         report = done - 1 if self.schedule == "2bw" else done
         loss = runtime.collect_loss(report) if report >= 0 else None
         self._log_loss("train", loss, batch)
+        if runtime.last_grad_norm is not None:
+            self.lightning_module.log("train/grad_norm", runtime.last_grad_norm)
         return loss if loss is not None else torch.zeros((), device=self.root_device)
 
     def backward(self, closure_loss: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -350,12 +421,17 @@ class AsyncPipelineStrategy(DDPStrategy):
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
-        if self.runtime is not None and "pipeline_runtime" in checkpoint:
-            self.runtime.load_state_dict(checkpoint["pipeline_runtime"])
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        if self.runtime is not None and "pipeline_runtime" in checkpoint and fitting:
+            self.runtime.load_state_dict(checkpoint["pipeline_runtime"])  # evaluation needs the newest weights only
 
     def remove_checkpoint(self, filepath) -> None:
         if self.global_rank == 0 and os.path.isdir(str(filepath)):
             shutil.rmtree(str(filepath))
+
+    def teardown(self) -> None:
+        self.runtime = None  # frees the weight slots (on the GPU) with the rest of the strategy's state
+        super().teardown()
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
