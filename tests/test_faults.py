@@ -47,5 +47,5 @@ def test_dead_stage_is_named_and_nobody_hangs():
         spawn(2, _fit_with_a_dying_stage, free_port(), timeout=90, reporting=1)
     message = str(failure.value)
     assert message.startswith("rank 0 failed")
-    assert "PeerFailure" in message and "stage 1 (global rank 1) stopped answering" in message
+    assert "PeerFailure" in message and "stage 1 (global rank 1) stopped answering" in message, message[-600:]
     assert time.monotonic() - start < 90

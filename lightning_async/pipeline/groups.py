@@ -11,7 +11,9 @@ def make_pipeline_groups(rank: int, world_size: int, pipeline_parallel_size: int
     """Create every group (all ranks must call this, in the same order) and return this rank's."""
     pp = pipeline_parallel_size
     dp = world_size // pp
-    groups = PipelineGroups(stage=rank % pp, num_stages=pp, data_parallel_size=dp, stage_of_rank=lambda r: r % pp)
+    groups = PipelineGroups(
+        stage=rank % pp, num_stages=pp, data_parallel_size=dp, stage_of_rank=lambda r: r % pp, rank=rank, world_size=world_size
+    )
     if world_size == 1 or not dist.is_initialized():
         return groups
     for replica in range(dp):

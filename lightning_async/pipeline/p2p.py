@@ -19,8 +19,6 @@ afterwards every message between the same pair has that shape.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
@@ -30,12 +28,6 @@ _HEADER_LEN = 10
 
 class PeerFailure(RuntimeError):
     """A neighbouring stage stopped answering (it died or raised)."""
-
-
-@dataclass
-class Recv:
-    peer: int  # global rank
-    kind: str  # "act" or "grad"
 
 
 class StageTransport:

@@ -50,11 +50,9 @@ def balanced_boundaries(costs: Sequence[float], num_stages: int) -> list[int]:
 
 
 def uniform_boundaries(unit_names: Sequence[str], num_stages: int) -> list[int]:
-    """Spread the repeated blocks evenly; the first stage also takes leading non-block units, the last trailing ones."""
-    n = len(unit_names)
-    _check(n, num_stages)
-    costs = [1.0] * n
-    return balanced_boundaries(costs, num_stages)
+    """Stages with (nearly) the same number of units."""
+    _check(len(unit_names), num_stages)
+    return balanced_boundaries([1.0] * len(unit_names), num_stages)
 
 
 def boundaries_from_names(unit_names: Sequence[str], stage_starts: Sequence[str], num_stages: int) -> list[int]:

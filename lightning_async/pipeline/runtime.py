@@ -59,16 +59,36 @@ class PipelineGroups:
     tied: object = None  # first and last stage, when they share weights
     metrics: object = None  # every rank (loss reporting)
     stage_of_rank: Callable[[int], int] = lambda r: r
+    rank: int = 0  # global rank of this process
+    world_size: int = 1
+
+    def members(self, kind: str) -> list[int]:
+        """Global ranks of this process's ``pipeline``, ``tied``, ``data_parallel`` or ``metrics`` group."""
+        first = self.rank - self.stage
+        if kind == "pipeline":
+            return [first + s for s in range(self.num_stages)]
+        if kind == "tied":
+            return [first, first + self.num_stages - 1]
+        if kind == "data_parallel":
+            return [r * self.num_stages + self.stage for r in range(self.data_parallel_size)]
+        return list(range(self.world_size))
 
 
-def wait_collectives(works, what: str) -> None:
-    """Wait for collective operations; a dead peer becomes a :class:`PeerFailure` that says what was waited on."""
+def wait_collectives(works, what: str, groups: PipelineGroups | None = None, kind: str = "metrics") -> None:
+    """Wait for collective operations; a dead peer becomes a :class:`PeerFailure` naming the suspects."""
     try:
         for work in works:
             work.wait()
     except Exception as err:
+        suspects = "a pipeline rank"
+        if groups is not None:
+            others = [r for r in groups.members(kind) if r != groups.rank]
+            if len(others) == 1:
+                suspects = f"Pipeline stage {groups.stage_of_rank(others[0])} (global rank {others[0]})"
+            else:
+                suspects = f"One of global ranks {others}"
         raise PeerFailure(
-            f"A pipeline rank stopped answering while this rank waited for {what}: {err}. "
+            f"{suspects} stopped answering while this rank waited for {what}: {err}. "
             "Look at the other ranks' logs for the original error."
         ) from err
 
@@ -204,7 +224,7 @@ class PipelineRuntime:
             work, buf = self._loss_works[batch]
             if not wait and not work.is_completed():
                 return None
-            wait_collectives([work], f"the loss of batch {batch}")
+            wait_collectives([work], f"the loss of batch {batch}", self.groups, "metrics")
             del self._loss_works[batch]
             self.reported_losses[batch] = buf / self.groups.data_parallel_size
         return self.reported_losses.pop(batch, None)
@@ -222,11 +242,11 @@ class PipelineRuntime:
             for x in present:
                 x.div_(g.data_parallel_size)
             works = [dist.all_reduce(x, group=g.data_parallel, async_op=True) for x in present]
-            wait_collectives(works, "the data-parallel gradient average")  # replicas run in lockstep
+            wait_collectives(works, "the data-parallel gradient average", g, "data_parallel")  # replicas run in lockstep
         if g.tied is not None and self.tied:
             pending.works += [dist.all_reduce(grads[i], group=g.tied, async_op=True) for i in self.tied if grads[i] is not None]
             if self.is_first:  # the last stage posted long ago; the first stage's norm needs the sum
-                wait_collectives(pending.works, "the tied-weight gradient sum")
+                wait_collectives(pending.works, "the tied-weight gradient sum", g, "tied")
         if self.clip:
             skip = set() if self.count_tied_in_norm else set(self.tied)
             sq = sum((x.float().pow(2).sum() for i, x in enumerate(grads) if x is not None and i not in skip), torch.zeros((), device=self.device))
@@ -244,7 +264,7 @@ class PipelineRuntime:
 
     def _apply_update(self, batch: int) -> None:
         pending = self._pending.pop(batch)
-        wait_collectives(pending.works, f"the gradient reductions of batch {batch}")
+        wait_collectives(pending.works, f"the gradient reductions of batch {batch}", self.groups, "pipeline")
         if self.clip and pending.norm_sq is not None:
             norm = pending.norm_sq.sqrt()
             self.last_grad_norm = norm  # global norm before clipping, for logging
@@ -263,8 +283,7 @@ class PipelineRuntime:
         )
 
     # ---- calls ------------------------------------------------------------------------------------
-    def _split(self, batch_data) -> tuple[list, list]:
-        inputs, targets = self.split_batch(batch_data)
+    def _microbatches(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[list, list]:
         if inputs.shape[0] % self.m:
             raise ValueError(
                 f"Batch size {inputs.shape[0]} is not divisible by n_microbatches={self.m}; "
@@ -313,13 +332,14 @@ class PipelineRuntime:
     def train_batch(self, batch_data) -> None:
         """Run the call for the next training batch (2BW: without flushing the pipeline)."""
         b = self.batches_done
-        shape = self.split_batch(batch_data)[0].shape
+        inputs, targets = self.split_batch(batch_data)
+        shape = inputs.shape
         if not self.fresh and shape != self.batch_shape:
             self.drain()  # a new shape needs a fresh pipeline (and a new header exchange)
         self.batch_shape = shape
         if self.fresh:
             self.transport.reset()
-        self._batch_data[b] = self._split(batch_data)
+        self._batch_data[b] = self._microbatches(inputs, targets)
         self._hyper[b] = [{"lr": g["lr"]} for g in self.optimizer.param_groups]
         for old in [k for k in self._pending if k <= b - 2]:
             self._apply_update(old)
@@ -379,7 +399,7 @@ class PipelineRuntime:
         if self.groups.metrics is None:
             return value
         buf = torch.zeros((), device=self.device) if value is None else value.clone()
-        wait_collectives([dist.all_reduce(buf, group=self.groups.metrics, async_op=True)], "the evaluation loss")
+        wait_collectives([dist.all_reduce(buf, group=self.groups.metrics, async_op=True)], "the evaluation loss", self.groups, "metrics")
         return buf / self.groups.data_parallel_size
 
     # ---- accounting -------------------------------------------------------------------------------
