@@ -9,6 +9,7 @@ import time
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.core.saving import save_hparams_to_yaml
 from lightning.pytorch.utilities import rank_zero_only
 
 from lightning_async.callbacks.delay import DelaySimulation, ErrorFeedback, _is_pipeline
@@ -47,10 +48,16 @@ class RunTelemetry(Callback):
         self._last_time: float | None = None
         self.identity: dict = {}
 
-    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # After Lightning logged the module's and data module's hyperparameters: the identity must win
+        # over same-named keys there (the data module's shuffle ``seed`` is not the run's seed).
         self.identity = run_identity(trainer, pl_module)
         for logger in trainer.loggers:
             logger.log_hyperparams(self.identity)
+            hparams_file = getattr(logger, "NAME_HPARAMS_FILE", None)
+            if trainer.is_global_zero and hparams_file and getattr(logger, "log_dir", None):
+                # Lightning wrote hparams.yaml before this hook and never rewrites it
+                save_hparams_to_yaml(os.path.join(logger.log_dir, hparams_file), logger.hparams)
         self._last_time = None
 
     def _every(self, trainer: Trainer) -> bool:

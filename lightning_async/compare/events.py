@@ -104,7 +104,8 @@ class Run:
 
     @property
     def last_step(self) -> int | None:
-        steps = [s for series in self.scalars.values() for s, _ in series]
+        """Last optimizer step logged (series stepped by tokens, like ``val/loss_by_tokens``, do not count)."""
+        steps = [s for tag, series in self.scalars.items() if "by_tokens" not in tag for s, _ in series]
         return max(steps) if steps else None
 
 

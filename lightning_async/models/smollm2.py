@@ -47,7 +47,7 @@ class SmolLM2Config:
 
 
 MODEL_CONFIGS: dict[str, SmolLM2Config] = {
-    # CPU-sized: about 1.1M parameters with the 257-token byte vocabulary.
+    # CPU-sized: 0.82M parameters with the 257-token byte vocabulary.
     "tiny": SmolLM2Config(
         vocab_size=257, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, ffn_size=384, max_seq_len=512
     ),
