@@ -11,18 +11,16 @@ Two kinds of stages:
 
 from __future__ import annotations
 
-import os
-import socket
 import statistics
 import time
-import traceback
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
+
+from lightning_async.pipeline.local import run_local
 
 SLEEP_WIDTH = 8  # features per sleep-stage activation (a tiny message: latency, not bandwidth)
 
@@ -201,46 +199,9 @@ def ping_pong(shape, dtype=torch.float32, reps: int = 50, group=None) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- processes
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, fn: Callable, args, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        queue.put((rank, "ok", fn(*args)))
-    except BaseException:
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def spawn(world: int, fn: Callable, *args, timeout: float = 600.0) -> list:
     """Run ``fn(*args)`` on ``world`` gloo processes (one thread each); return results by rank."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue)) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    results: dict[int, object] = {}
-    try:
-        for _ in range(world):
-            rank, status, value = queue.get(timeout=timeout)
-            if status == "error":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
-    finally:
-        for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-    return [results[r] for r in range(world)]
+    return run_local(world, fn, *args, timeout=timeout)
 
 
 # ---------------------------------------------------------------------------------------------- p2p probes

@@ -37,13 +37,13 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _stages import _free_port  # noqa: E402
 
 from lightning_async.models import SmolLM2, model_config  # noqa: E402
 from lightning_async.models.objective import next_token_loss, split_next_token  # noqa: E402
 from lightning_async.optim import build_optimizer  # noqa: E402
 from lightning_async.optim.error_feedback import ErrorFeedbackCorrection  # noqa: E402
 from lightning_async.pipeline.groups import make_pipeline_groups  # noqa: E402
+from lightning_async.pipeline.local import run_local  # noqa: E402
 from lightning_async.pipeline.partition import partition_units  # noqa: E402
 from lightning_async.pipeline.runtime import PipelineRuntime, StageModule  # noqa: E402
 from lightning_async.pipeline.simulator import memory_model, simulate  # noqa: E402
@@ -84,46 +84,9 @@ def _nbytes(tensors) -> int:
     return total
 
 
-def _worker(rank: int, world: int, port: int, cfg: dict, queue) -> None:
-    import traceback
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    try:
-        if cfg["device"] == "cuda":
-            torch.cuda.set_device(rank)
-        dist.init_process_group("nccl" if cfg["device"] == "cuda" else "gloo", rank=rank, world_size=world)
-        queue.put((rank, "ok", measured_worker(cfg)))
-    except BaseException:
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def spawn(world: int, cfg: dict, timeout: float = 600.0) -> list[dict]:
     """Run :func:`measured_worker` on ``world`` fresh processes (gloo on the CPU, nccl on CUDA)."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, cfg, queue)) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    results = {}
-    try:
-        for _ in range(world):
-            rank, status, value = queue.get(timeout=timeout)
-            if status == "error":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
-    finally:
-        for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-    return [results[r] for r in range(world)]
+    return run_local(world, measured_worker, cfg, backend="nccl" if cfg["device"] == "cuda" else "gloo", timeout=timeout)
 
 
 # ------------------------------------------------------------------------------------------------ the stage

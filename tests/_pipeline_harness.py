@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 import contextlib
-import io
-import os
-import socket
-import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from lightning_async.models import SmolLM2, model_config
 from lightning_async.models.objective import next_token_loss, split_next_token
 from lightning_async.optim import DelayedOptimizer, build_optimizer
 from lightning_async.optim.error_feedback import ErrorFeedbackCorrection
 from lightning_async.pipeline.groups import make_pipeline_groups
+from lightning_async.pipeline.local import free_port, run_local
 from lightning_async.pipeline.partition import partition_units
 from lightning_async.pipeline.runtime import PipelineRuntime, StageModule
 
@@ -24,12 +20,6 @@ SHAPE = dict(vocab_size=257, hidden_size=32, num_layers=4, num_heads=4, num_kv_h
 # fp32 Newton-Schulz: bf16 rounding would turn 1e-7 differences of summation order into 1e-3.
 KWARGS = {"muon": {"ns_dtype": torch.float32}, "normuon": {"ns_dtype": torch.float32}}
 LRS = {"adamw": 3e-3, "muon": 2e-2, "lion": 3e-4, "adan": 3e-3, "normuon": 2e-2, "soap": 3e-3, "mars": 3e-3}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_model(seed: int = 0) -> SmolLM2:
@@ -137,42 +127,6 @@ def pipeline_run(stages: int, schedule: str, optimizer: str, ef: float, steps: i
     return weights, [None if x is None else float(x) for x in losses]
 
 
-def _worker(rank: int, world: int, port: int, fn, args, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        buffer = io.BytesIO()
-        torch.save(fn(*args), buffer)  # bytes, not shared-memory tensors: the child may exit first
-        queue.put((rank, "ok", buffer.getvalue()))
-    except BaseException:
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def spawn(world: int, fn, *args, timeout: float = 240.0, reporting: int | None = None) -> list:
-    """Run ``fn(*args)`` on ``world`` gloo processes; return the results by rank (re-raise failures).
-
-    ``reporting``: how many ranks are expected to report (a test may kill the others).
-    """
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, object] = {}
-    try:
-        for _ in range(world if reporting is None else reporting):
-            rank, status, value = queue.get(timeout=timeout)
-            if status == "error":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results[rank] = torch.load(io.BytesIO(value), weights_only=False)
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return [results[r] for r in sorted(results)]
+    """``run_local`` on gloo: ``fn(*args)`` on ``world`` processes, results by rank."""
+    return run_local(world, fn, *args, timeout=timeout, reporting=reporting)
