@@ -47,7 +47,7 @@ from lightning_async.pipeline.local import run_local  # noqa: E402
 from lightning_async.pipeline.partition import partition_units  # noqa: E402
 from lightning_async.pipeline.runtime import PipelineRuntime, StageModule  # noqa: E402
 from lightning_async.pipeline.simulator import memory_model, simulate  # noqa: E402
-from lightning_async.simulate import measure_model, stage_costs_from_measurement  # noqa: E402
+from lightning_async.simulate import SavedTensorBytes, measure_model, stage_costs_from_measurement  # noqa: E402
 
 CONFIGS = {"1f1b": ("1f1b", None), "2bw": ("2bw", None), "2bw+ef": ("2bw", 1.0)}
 MIB = 2**20
@@ -111,23 +111,14 @@ def build_stage(model_name: str, p: int, stage: int):
 
 def activation_bytes(module: StageModule, x: torch.Tensor, targets: torch.Tensor, last: bool) -> int:
     """Bytes saved for backward by one micro-batch forward of ``module`` (parameters excluded)."""
-    param_ptrs = {q.untyped_storage().data_ptr() for q in module.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in param_ptrs:
-            saved[st.data_ptr()] = st.nbytes()
-        return t
-
     if x.is_floating_point():
         x = x.detach().requires_grad_(True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedTensorBytes(module.parameters()) as counter:
         y = module(x)
         if last:
             y = next_token_loss(y, targets)
     del y
-    return sum(saved.values())
+    return counter.total
 
 
 def measured_worker(cfg: dict) -> dict:

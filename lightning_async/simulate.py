@@ -82,27 +82,45 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
+class SavedTensorBytes:
+    """Context manager counting the bytes autograd saves for backward (storages of ``params`` excluded)."""
+
+    def __init__(self, params=()) -> None:
+        import torch
+
+        self._param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+        self._saved: dict[int, int] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self._param_ptrs:
+            self._saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    @property
+    def total(self) -> int:
+        return sum(self._saved.values())
+
+    def __enter__(self) -> SavedTensorBytes:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+
 def _time_unit(fn, device, reps: int, count_activations: bool = False, params=()) -> tuple[float, float, int]:
     """Fastest forward and backward seconds of ``fn() -> backward_closure`` over ``reps`` timed runs (after one
     warm-up run, which also counts the activation bytes saved for backward). The minimum, not the median: on a
     shared machine, contention only ever adds time."""
-    import torch
-
-    param_ptrs = {p.untyped_storage().data_ptr() for p in params}
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in param_ptrs:
-            saved[st.data_ptr()] = st.nbytes()
-        return t
-
+    counter = SavedTensorBytes(params)
     fwd, bwd = [], []
     for i in range(reps + 1):
         _sync(device)
         t0 = time.perf_counter()
         if i == 0 and count_activations:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with counter:
                 backward = fn()
         else:
             backward = fn()
@@ -116,7 +134,7 @@ def _time_unit(fn, device, reps: int, count_activations: bool = False, params=()
             bwd.append(t2 - t1)
         for p in params:
             p.grad = None
-    return min(fwd), min(bwd), sum(saved.values())
+    return min(fwd), min(bwd), counter.total
 
 
 def measure_model(
