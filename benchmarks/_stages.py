@@ -92,14 +92,9 @@ class Workload:
                 if id(prm) not in seen:
                     seen.add(id(prm))
                     named.append((f"{n}.{pn}", prm))
-        first = {id(q) for n, u in units if n in names[0] for q in u.parameters()}
-        last = {id(q) for n, u in units if n in names[-1] for q in u.parameters()}
-        tied = []
-        if self.p > 1:
-            from lightning_async.pipeline.runtime import StageModule
+        from lightning_async.pipeline.runtime import build_stage
 
-            tied = [n for n, q in StageModule(local).named_parameters() if id(q) in first and id(q) in last]
-        return local, named, tied
+        return local, named, build_stage(units, names, stage)[1]
 
     def split(self):
         if self.kind == "sleep":

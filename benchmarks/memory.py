@@ -45,7 +45,7 @@ from lightning_async.optim.error_feedback import ErrorFeedbackCorrection  # noqa
 from lightning_async.pipeline.groups import make_pipeline_groups  # noqa: E402
 from lightning_async.pipeline.local import run_local  # noqa: E402
 from lightning_async.pipeline.partition import partition_units  # noqa: E402
-from lightning_async.pipeline.runtime import PipelineRuntime, StageModule  # noqa: E402
+from lightning_async.pipeline.runtime import PipelineRuntime, StageModule, build_stage  # noqa: E402
 from lightning_async.pipeline.simulator import memory_model, simulate  # noqa: E402
 from lightning_async.simulate import SavedTensorBytes, measure_model, stage_costs_from_measurement  # noqa: E402
 
@@ -90,21 +90,17 @@ def spawn(world: int, cfg: dict, timeout: float = 600.0) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------------------ the stage
-def build_stage(model_name: str, p: int, stage: int):
+def build_model_stage(model_name: str, p: int, stage: int):
     torch.manual_seed(0)
     model = SmolLM2(model_config(model_name))
     units = [(f"model.{n}", u) for n, u in model.pipeline_units()]
     names = partition_units(units, p, "uniform")
-    local = [(n, u) for n, u in units if n in names[stage]]
-    module = StageModule(local)
+    module, tied = build_stage(units, names, stage)
     seen, named = set(), []
     for n, prm in module.named_parameters():
         if id(prm) not in seen:
             seen.add(id(prm))
             named.append((n, prm))
-    first = {id(q) for n, u in units if n in names[0] for q in u.parameters()}
-    last = {id(q) for n, u in units if n in names[-1] for q in u.parameters()}
-    tied = [n for n, q in named if id(q) in first and id(q) in last] if p > 1 else []
     # A representative input of this stage: the previous stages' output on the first micro-batch.
     return module, named, tied, [u for n, u in units if n in {x for s in range(stage) for x in names[s]}], model.config
 
@@ -125,7 +121,7 @@ def measured_worker(cfg: dict) -> dict:
     rank, p = dist.get_rank(), cfg["p"]
     device = torch.device(cfg["device"], rank) if cfg["device"] == "cuda" else torch.device("cpu")
     schedule, ef = CONFIGS[cfg["config"]]
-    module, named, tied, before, shape = build_stage(cfg["model"], p, rank)
+    module, named, tied, before, shape = build_model_stage(cfg["model"], p, rank)
     module.to(device)
     g = torch.Generator().manual_seed(1)
     batches = [

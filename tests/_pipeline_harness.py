@@ -14,7 +14,7 @@ from lightning_async.optim.error_feedback import ErrorFeedbackCorrection
 from lightning_async.pipeline.groups import make_pipeline_groups
 from lightning_async.pipeline.local import free_port, run_local
 from lightning_async.pipeline.partition import partition_units
-from lightning_async.pipeline.runtime import PipelineRuntime, StageModule
+from lightning_async.pipeline.runtime import PipelineRuntime, build_stage
 
 SHAPE = dict(vocab_size=257, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, ffn_size=64, max_seq_len=64)
 # fp32 Newton-Schulz: bf16 rounding would turn 1e-7 differences of summation order into 1e-3.
@@ -92,7 +92,7 @@ def pipeline_run(stages: int, schedule: str, optimizer: str, ef: float, steps: i
     names = partition_units(units, stages, "uniform")
     stage = rank % stages
     local = [(n, u) for n, u in units if n in names[stage]]
-    stage_module = StageModule(local)
+    stage_module, tied = build_stage(units, names, stage)
     named = [(f"{n}.{pn}", p) for n, u in local for pn, p in u.named_parameters()]
     seen, unique = set(), []
     for n, p in named:
@@ -101,9 +101,6 @@ def pipeline_run(stages: int, schedule: str, optimizer: str, ef: float, steps: i
             unique.append((n, p))
     opt = build_optimizer(optimizer, unique, lr=LRS[optimizer], weight_decay=0.1, **KWARGS.get(optimizer, {}))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
-    first_ids = {id(p) for _, u in units if _ in names[0] for p in u.parameters()}
-    last_ids = {id(p) for _, u in units if _ in names[-1] for p in u.parameters()}
-    tied = [n for n, p in stage_module.named_parameters() if id(p) in first_ids and id(p) in last_ids and stages > 1]
     groups = make_pipeline_groups(rank, dist.get_world_size(), stages)
     runtime = PipelineRuntime(
         stage_module, opt, schedule, m, split_next_token, next_token_loss, groups,

@@ -44,6 +44,20 @@ class StageModule(nn.Module):
         return x
 
 
+def build_stage(
+    units: Sequence[tuple[str, nn.Module]], stage_units: Sequence[Sequence[str]], stage: int
+) -> tuple[StageModule, list[str]]:
+    """This stage's module and the names (in it) of weights it shares with another stage (tied embeddings)."""
+    stage_of = {name: s for s, names in enumerate(stage_units) for name in names}
+    owners: dict[int, set[int]] = {}
+    for name, unit in units:
+        for p in unit.parameters():
+            owners.setdefault(id(p), set()).add(stage_of[name])
+    stage_module = StageModule([(n, u) for n, u in units if stage_of[n] == stage])
+    tied = [n for n, p in stage_module.named_parameters() if len(owners[id(p)]) > 1]
+    return stage_module, tied
+
+
 @dataclass
 class PipelineGroups:
     """Process groups and ranks a stage talks to (built by the strategy; all ``None`` on one process)."""

@@ -28,7 +28,7 @@ from lightning_async.optim.error_feedback import ErrorFeedbackCorrection
 from lightning_async.pipeline import schedules
 from lightning_async.pipeline.groups import make_pipeline_groups
 from lightning_async.pipeline.partition import partition_units
-from lightning_async.pipeline.runtime import PipelineRuntime, StageModule
+from lightning_async.pipeline.runtime import PipelineRuntime, StageModule, build_stage
 
 CONTRACT = ("pipeline_units", "pipeline_split_batch", "pipeline_loss")
 
@@ -204,14 +204,8 @@ class AsyncPipelineStrategy(DDPStrategy):
 
     def _prune(self, module: nn.Module, units: list[tuple[str, nn.Module]]) -> tuple[StageModule, list[str]]:
         """Replace other stages' units by placeholders; return this stage's module and cross-stage tied weights."""
+        stage_module, tied = build_stage(units, self.stage_units, self.stage)
         stage_of = {name: s for s, names in enumerate(self.stage_units) for name in names}
-        owners: dict[int, set[int]] = {}
-        for name, unit in units:
-            for p in unit.parameters():
-                owners.setdefault(id(p), set()).add(stage_of[name])
-        local = [(n, u) for n, u in units if stage_of[n] == self.stage]
-        stage_module = StageModule(local)
-        tied = [n for n, p in stage_module.named_parameters() if len(owners[id(p)]) > 1]
         for name, _ in units:
             if stage_of[name] != self.stage:
                 module.set_submodule(name, NotOnThisStage(name, stage_of[name]))
