@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from lightning.pytorch import seed_everything
 
 import lightning_async.data.datamodule as datamodule_mod
 from lightning_async.data import (
@@ -287,6 +288,20 @@ def test_same_arguments_same_batches(tmp_path, text_file):
     assert all(torch.equal(x, y) for x, y in zip(batches(a.val_dataloader(), 3), batches(b.val_dataloader(), 3)))
     workers = ready(tmp_path, **kw, num_workers=1)
     assert all(torch.equal(x, y) for x, y in zip(batches(workers.train_dataloader(), 3), first_a))
+
+
+def test_shuffle_follows_the_run_seed_unless_given(tmp_path, text_file, monkeypatch):
+    kw = dict(source="text", path=str(text_file), seq_len=15, batch_size=4)
+    fixed = batches(ready(tmp_path, **kw, seed=3).train_dataloader(), 2)
+    follows = ready(tmp_path, **kw)
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    assert follows.shuffle_seed == 0
+    seed_everything(3)
+    assert all(torch.equal(x, y) for x, y in zip(batches(follows.train_dataloader(), 2), fixed))
+    seed_everything(4)
+    assert not torch.equal(batches(follows.train_dataloader(), 1)[0], fixed[0])
+    pinned = ready(tmp_path, **kw, seed=3)
+    assert all(torch.equal(x, y) for x, y in zip(batches(pinned.train_dataloader(), 2), fixed))  # an explicit seed wins
 
 
 def test_second_prepare_reuses_the_cache(tmp_path, text_file, monkeypatch):

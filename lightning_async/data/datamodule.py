@@ -72,7 +72,9 @@ class TextDataModule(LightningDataModule):
         token_vocab_size: vocabulary size reported to the model (default: the tokenizer's; for
             ``tokens`` with no ``hf`` tokenizer, the largest id + 1). Must cover every id.
         num_workers: ``DataLoader`` workers.
-        seed: seed of the training shuffle.
+        seed: seed of the training shuffle; ``None`` (default) follows the run's seed (the value given to
+            ``seed_everything``, i.e. ``PL_GLOBAL_SEED``; 0 when none was set), so runs that differ in seed
+            also see the data in a different order.
         cache_dir: where tokenized data and trained tokenizers are kept.
         progress: show progress bars while tokenizing.
     """
@@ -101,7 +103,7 @@ class TextDataModule(LightningDataModule):
         max_chars: int | None = None,
         token_vocab_size: int | None = None,
         num_workers: int = 0,
-        seed: int = 0,
+        seed: int | None = None,
         cache_dir: str = ".cache/lightning-async",
         progress: bool = True,
     ) -> None:
@@ -364,9 +366,16 @@ class TextDataModule(LightningDataModule):
                 hi = mid - 1
         return lo
 
+    @property
+    def shuffle_seed(self) -> int:
+        """Seed of the training shuffle: ``seed``, or the run's seed (``PL_GLOBAL_SEED``) when ``seed`` is None."""
+        if self.seed is not None:
+            return self.seed
+        return int(os.environ.get("PL_GLOBAL_SEED", 0))
+
     def train_dataloader(self) -> DataLoader:
         generator = torch.Generator()
-        generator.manual_seed(self.seed)
+        generator.manual_seed(self.shuffle_seed)
         return DataLoader(
             self._require(self.train_dataset),
             batch_size=self.batch_size,

@@ -55,9 +55,10 @@ def delayed_step(
         correction: Error Feedback; needs ``newest`` distinct from ``out`` to read ``u``.
         hyperparameters: per-group values (e.g. ``{"lr": ...}``) applied for this step only.
     """
-    for p, g, src, dst in zip(params, grads, newest, out):
-        if dst.data_ptr() != src.data_ptr():
-            dst.copy_(src)
+    copies = [(dst, src) for src, dst in zip(newest, out) if dst.data_ptr() != src.data_ptr()]
+    if copies:
+        torch._foreach_copy_([dst for dst, _ in copies], [src for _, src in copies])
+    for p, g, dst in zip(params, grads, out):
         p.data = dst
         p.grad = g
     with group_values(optimizer, hyperparameters):

@@ -46,18 +46,23 @@ class ErrorFeedbackCorrection:
             return
         lam = self.strength
         for group in optimizer.param_groups:
-            decay = 0.0 if self.extrapolate_weight_decay else group.get("lr", 0.0) * group.get("weight_decay", 0.0)
-            for p in group["params"]:
-                if p not in before:
-                    continue
-                update = before[p] - p
+            params = [p for p in group["params"] if p in before]
+            if not params:
+                continue
+            old = [before[p] for p in params]
+            updates = torch._foreach_sub(old, params)  # u = before - after
+            if not self.extrapolate_weight_decay:
+                decay = group.get("lr", 0.0) * group.get("weight_decay", 0.0)
                 if decay:
-                    update.sub_(before[p], alpha=decay)
-                previous = self.previous_update.get(p)
-                if previous is None:
-                    previous = self.previous_update[p] = torch.zeros_like(p)
-                p.sub_(update - previous, alpha=lam)
-                previous.copy_(update)
+                    torch._foreach_sub_(updates, old, alpha=decay)
+            previous = [self._buffer(p) for p in params]
+            torch._foreach_sub_(previous, updates)  # u_prev - u
+            torch._foreach_add_(params, previous, alpha=lam)  # x - lam (u - u_prev)
+            self.previous_update.update(zip(params, updates))
+
+    def _buffer(self, p: torch.Tensor) -> torch.Tensor:
+        previous = self.previous_update.get(p)
+        return torch.zeros_like(p) if previous is None else previous
 
     def state_dict(self, params: list[torch.Tensor]) -> dict:
         """Buffers listed in the order of ``params`` (the optimizer's parameter order)."""
