@@ -5,6 +5,8 @@ Two comparisons per model (default ``tiny``; add ``small`` with ``--models tiny 
 * **plain**: ``CausalLM(model, compile=False).model`` vs ``CausalLM(model, compile=True).model`` (each
   ``DecoderBlock`` wrapped by ``torch.compile``), same initial weights; one step is forward + backward +
   AdamW ``step()`` + ``zero_grad()``.
+* **delayed-ef**: the plain step with the optimizer wrapped in ``DelayedOptimizer(delay=1, error_feedback=1,
+  pairing="2bw")``, the one-device simulation of 2BW + Error Feedback (what a delay study runs).
 * **2bw runtime**: a one-process ``PipelineRuntime(schedule="2bw")`` over the same model's ``pipeline_units()``
   (m micro-batches per batch), i.e. every forward goes through ``torch.func.functional_call`` with the tensors
   of weight slot ``b % 2`` substituted into the compiled blocks; one step is ``train_batch``.
@@ -17,6 +19,8 @@ drifts hit both; the ratio is the number to read. Dynamo's ``unique_graphs`` cou
 calls and at the end: a graph added after the first call is a recompilation (e.g. for the second weight slot).
 
     python benchmarks/compile_speed.py --threads 1 --json runs/compile_speed.json
+    python benchmarks/compile_speed.py --device cuda --models smollm2-135m --paths plain delayed-ef \
+        --autocast bf16 --seq-len 2048 --batch 16 --peak-tflops 989
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import torch
 from lightning_async.lm import CausalLM
 from lightning_async.models import MODEL_CONFIGS, model_config
 from lightning_async.models.objective import next_token_loss, split_next_token
-from lightning_async.optim import build_optimizer
+from lightning_async.optim import DelayedOptimizer, OPTIMIZER_NAMES, build_optimizer
 from lightning_async.pipeline.runtime import PipelineRuntime, StageModule
 
 
@@ -75,10 +79,23 @@ def plain_step(lm: CausalLM, opt, batch: torch.Tensor, autocast=contextlib.nullc
     opt.zero_grad(set_to_none=True)
 
 
-def make_runtime(lm: CausalLM, m: int, autocast=contextlib.nullcontext) -> PipelineRuntime:
-    stage = StageModule(lm.pipeline_units())
-    opt = build_optimizer("adamw", list(stage.named_parameters()), lr=1e-3, weight_decay=0.1)
-    return PipelineRuntime(stage, opt, "2bw", m, split_next_token, next_token_loss, autocast=autocast)
+def make_optimizer(name: str, named_parameters) -> torch.optim.Optimizer:
+    lr = 0.02 if name in ("muon", "normuon") else 1e-3
+    return build_optimizer(name, list(named_parameters), lr=lr, weight_decay=0.1)
+
+
+def make_step(path: str, lm: CausalLM, args, autocast):
+    """One training step of ``path``: ``plain`` (sync), ``delayed-ef`` (the one-device simulation of 2BW with
+    Error Feedback, as ``DelaySimulation(1)`` + ``ErrorFeedback`` run it) or ``2bw`` (the pipeline runtime)."""
+    if path == "2bw":
+        stage = StageModule(lm.pipeline_units())
+        opt = make_optimizer(args.optimizer, stage.named_parameters())
+        runtime = PipelineRuntime(stage, opt, "2bw", args.microbatches, split_next_token, next_token_loss, autocast=autocast)
+        return runtime.train_batch
+    opt = make_optimizer(args.optimizer, lm.model.named_parameters())
+    if path == "delayed-ef":
+        opt = DelayedOptimizer(opt, delay=1, error_feedback=1.0, pairing="2bw")
+    return lambda batch: plain_step(lm, opt, batch, autocast)
 
 
 def timed(fn, device) -> float:
@@ -90,7 +107,7 @@ def timed(fn, device) -> float:
 
 
 def compare(name: str, path: str, args, device: torch.device, batches) -> dict:
-    """Eager vs compiled for ``path`` in ``("plain", "2bw")``; returns timings, ratio and dynamo counters."""
+    """Eager vs compiled for ``path`` (see :func:`make_step`); returns timings, ratio and dynamo counters."""
     torch._dynamo.reset()
     from torch._dynamo.utils import counters
 
@@ -99,13 +116,7 @@ def compare(name: str, path: str, args, device: torch.device, batches) -> dict:
     autocast = autocast_factory(device, args.autocast)
     for label, compiled in (("eager", False), ("compiled", True)):
         lm = build(name, compiled, device)
-        if path == "plain":
-            opt = build_optimizer("adamw", list(lm.model.named_parameters()), lr=1e-3, weight_decay=0.1)
-            step = lambda batch, lm=lm, opt=opt: plain_step(lm, opt, batch, autocast)  # noqa: E731
-        else:
-            runtime = make_runtime(lm, args.microbatches, autocast)
-            step = runtime.train_batch
-        variants[label] = {"step": step, "lm": lm}
+        variants[label] = {"step": make_step(path, lm, args, autocast), "lm": lm}
 
     tokens = args.batch * args.seq_len
     out = {"model": name, "path": path, "tokens_per_step": tokens,
@@ -156,6 +167,8 @@ def compare(name: str, path: str, args, device: torch.device, batches) -> dict:
 def table(rows: list[dict]) -> str:
     head = ("model", "path", "eager tok/s", "compiled tok/s", "compiled / eager (medians)", "paired", "fastest",
             "compile time s", "graphs after 1st call / end", "graph breaks")
+    mfu = all("mfu" in r["eager"] for r in rows)
+    head += ("MFU eager", "MFU compiled") if mfu else ()
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         lines.append("| " + " | ".join([
@@ -164,14 +177,15 @@ def table(rows: list[dict]) -> str:
             f"{r['compile_s']:.1f}",
             f"{r['dynamo_after_call'][0]['unique_graphs']} / {r['dynamo_end']['unique_graphs']}",
             str(r["dynamo_end"]["graph_breaks"]),
-        ]) + " |")
+        ] + ([f"{r['eager']['mfu']:.3f}", f"{r['compiled']['mfu']:.3f}"] if mfu else [])) + " |")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["tiny"], choices=list(MODEL_CONFIGS))
-    parser.add_argument("--paths", nargs="+", default=["plain", "2bw"], choices=["plain", "2bw"])
+    parser.add_argument("--paths", nargs="+", default=["plain", "2bw"], choices=["plain", "delayed-ef", "2bw"])
+    parser.add_argument("--optimizer", default="adamw", choices=OPTIMIZER_NAMES)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=128)
