@@ -46,7 +46,14 @@ from lightning_async.pipeline.runtime import PipelineRuntime, StageModule  # noq
 from lightning_async.pipeline.simulator import predict, simulate_lists  # noqa: E402
 
 TORCH = "torch-1F1B"
-ORDER = (TORCH, "1f1b", "gpipe", "2bw")
+ORDER = (TORCH, "1f1b", "gpipe", "2bw", "1f1b-fused", "2bw-fused")
+DEFAULT_SCHEDULES = ORDER[:4]
+FUSED = "-fused"  # our runtime without pre-posted receives: the fused send/receive groups NCCL runs
+
+
+def base_schedule(name: str) -> str:
+    """The schedule a row runs: ``torch-1F1B`` is a 1F1B, ``2bw-fused`` a 2BW."""
+    return "1f1b" if name == TORCH else name.removesuffix(FUSED)
 
 
 # ---------------------------------------------------------------------------------------------- timing helpers
@@ -57,14 +64,21 @@ class Clock:
         self.t: dict[str, float] = {}
         self.n: dict[str, int] = {}
         self.events: list[tuple[str, int, float, float]] = []
+        self.active: set[str] = set()
 
     def wrap(self, name: str, fn):
+        """``fn`` timed under ``name``; a call made while ``name`` is already being timed is not counted twice."""
+
         @functools.wraps(fn)
         def timed(*args, **kwargs):
+            if name in self.active:
+                return fn(*args, **kwargs)
+            self.active.add(name)
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
+                self.active.discard(name)
                 self.t[name] = self.t.get(name, 0.0) + time.perf_counter() - t0
                 self.n[name] = self.n.get(name, 0) + 1
 
@@ -111,19 +125,21 @@ def _opt_step_time(work: Workload, stage: int, reps: int = 10) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- one schedule
-def _run_ours(work: Workload, schedule: str, groups, batches, warm: int, clock: Clock) -> list[float]:
-    stage = groups.stage
+def _run_ours(work: Workload, name: str, groups, batches, warm: int, clock: Clock) -> list[float]:
+    stage, schedule = groups.stage, base_schedule(name)
     units, named, tied = work.build(stage)
     module = StageModule(units)
     rt = PipelineRuntime(
         module, _optimizer(named), schedule, work.m, work.split(), work.loss(), groups,
         tied_parameters=tied, count_tied_in_norm=stage == 0,
     )
+    rt.transport.prepost_enabled = rt.transport.prepost_enabled and not name.endswith(FUSED)
     rt._forward = clock.trace("forward", rt._forward)
     rt._backward = clock.trace("backward", rt._backward)
     rt._begin_update = clock.wrap("update", rt._begin_update)
     rt._apply_update = clock.wrap("update", rt._apply_update)
     rt.transport.exchange = clock.wrap("p2p", rt.transport.exchange)
+    rt.transport.receive = clock.wrap("p2p", rt.transport.receive)
     rt.transport._exchange_header = clock.wrap("header", rt.transport._exchange_header)
     rt.collect_loss = clock.wrap("loss", rt.collect_loss)
     marks = []
@@ -283,7 +299,7 @@ def analyse(label: str, work: Workload, warm: int, n: int, res: dict) -> list[di
         per_batch, run = min(per, key=lambda x: x[0])
         marks = run["marks"]
         steady = (marks[-2] - marks[warm - 1]) / n
-        sched = "1f1b" if name == TORCH else name
+        sched = base_schedule(name)
         pred, pred_steady = predicted_window(sched, p, m, tf, tb, comm, upd, warm, n)
         pred0 = predict(sched, p, m, tf, tb, 0.0, num_batches=warm + n)["per_batch_s"]
         row = dict(
@@ -373,7 +389,8 @@ def main(argv=None) -> None:
         "--configs", default="real:2:2,real:2:4,sleep:4:4,sleep:4:8,sleep:8:8,sleep:8:16",
         help="comma-separated KIND:P:M (KIND: real or sleep)",
     )
-    ap.add_argument("--schedules", default=",".join(ORDER), help=f"subset of {','.join(ORDER)}")
+    ap.add_argument("--schedules", default=",".join(DEFAULT_SCHEDULES),
+                    help=f"subset of {','.join(ORDER)} (-fused: without pre-posted receives, as on NCCL)")
     ap.add_argument("--tf", type=float, default=0.020, help="sleep stages: forward seconds per micro-batch")
     ap.add_argument("--tb", type=float, default=0.040, help="sleep stages: backward seconds per micro-batch")
     ap.add_argument("--warmup", type=int, default=3, help="untimed batches before the window")

@@ -79,8 +79,11 @@ def reference_run(optimizer: str, delay: int, ef: float, steps: int, clip: float
     return weights
 
 
-def pipeline_run(stages: int, schedule: str, optimizer: str, ef: float, steps: int, clip: float | None, m: int, drain_at=()):
-    """Run inside a process of an initialised gloo group; returns this stage's weights by name.
+def pipeline_run(
+    stages: int, schedule: str, optimizer: str, ef: float, steps: int, clip: float | None, m: int, drain_at=(), prepost=None
+):
+    """Run inside a process of an initialised gloo group; returns this stage's weights by name, the losses
+    and the number of receives the transport pre-posted (``prepost``: see ``StageTransport``).
 
     After the batches in ``drain_at`` the pipeline is evaluated under ``torch.inference_mode`` (as Lightning
     does on NCCL), which drains it; the update rule must not notice. The final evaluation uses a batch whose
@@ -107,6 +110,8 @@ def pipeline_run(stages: int, schedule: str, optimizer: str, ef: float, steps: i
         gradient_clip_val=clip, error_feedback=ErrorFeedbackCorrection(ef) if ef else None,
         tied_parameters=tied, count_tied_in_norm=stage == 0, autocast=contextlib.nullcontext,
     )
+    if prepost is not None:
+        runtime.transport.prepost_enabled = prepost
     replicas, replica = dist.get_world_size() // stages, rank // stages
     losses = []
     for b, batch in enumerate(make_batches(steps)):
@@ -121,7 +126,7 @@ def pipeline_run(stages: int, schedule: str, optimizer: str, ef: float, steps: i
     by_param = {id(p): n for n, p in unique}
     weights = {by_param[id(p)]: p.detach().clone() for p in runtime.params}
     weights["eval_loss"] = runtime.eval_batch(eval_batch())
-    return weights, [None if x is None else float(x) for x in losses]
+    return weights, [None if x is None else float(x) for x in losses], runtime.transport.preposted
 
 
 def spawn(world: int, fn, *args, timeout: float = 240.0, reporting: int | None = None) -> list:

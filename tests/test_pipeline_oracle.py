@@ -13,31 +13,33 @@ from _pipeline_harness import pipeline_run, reference_run, spawn
 
 STEPS = 10
 # Keyed by the number of processes: (stages, schedule, optimizer, EF strength, clip, drain after these
-# batches). With 4 processes and 2 stages the mesh is 2 stages x 2 data-parallel replicas.
+# batches, pre-posted receives). With 4 processes and 2 stages the mesh is 2 stages x 2 data-parallel
+# replicas. Pre-posting is gloo's default; the scenarios with False run the fused send/receive groups that
+# NCCL uses.
 SCENARIOS = {
     2: [
-        (2, "2bw", "adamw", 0.0, None, (0,)),
-        (2, "2bw", "muon", 1.0, 1.0, (4,)),
-        (2, "2bw", "lion", 0.0, 0.5, ()),
-        (2, "2bw", "adan", 0.5, None, ()),
-        (2, "2bw", "normuon", 1.0, None, ()),
-        (2, "1f1b", "adamw", 0.0, 1.0, (2,)),
-        (2, "gpipe", "muon", 0.0, None, ()),
+        (2, "2bw", "adamw", 0.0, None, (0,), True),
+        (2, "2bw", "muon", 1.0, 1.0, (4,), True),
+        (2, "2bw", "lion", 0.0, 0.5, (), False),
+        (2, "2bw", "adan", 0.5, None, (), True),
+        (2, "2bw", "normuon", 1.0, None, (), True),
+        (2, "1f1b", "adamw", 0.0, 1.0, (2,), True),
+        (2, "gpipe", "muon", 0.0, None, (), False),
     ],
     4: [
-        (4, "2bw", "adamw", 1.0, 0.5, (3,)),
-        (4, "2bw", "muon", 0.0, None, ()),
-        (4, "2bw", "mars", 1.0, None, ()),
-        (4, "1f1b", "adamw", 0.0, None, ()),
-        (2, "2bw", "adamw", 1.0, 1.0, ()),  # pipeline x data parallel
+        (4, "2bw", "adamw", 1.0, 0.5, (3,), True),
+        (4, "2bw", "muon", 0.0, None, (), False),
+        (4, "2bw", "mars", 1.0, None, (), True),
+        (4, "1f1b", "adamw", 0.0, None, (), True),
+        (2, "2bw", "adamw", 1.0, 1.0, (), True),  # pipeline x data parallel
     ],
 }
 
 
 def _all_scenarios(world: int) -> list:
     return [
-        pipeline_run(stages, s, opt, ef, STEPS, clip, m=stages, drain_at=drain)
-        for stages, s, opt, ef, clip, drain in SCENARIOS[world]
+        pipeline_run(stages, s, opt, ef, STEPS, clip, m=stages, drain_at=drain, prepost=prepost)
+        for stages, s, opt, ef, clip, drain, prepost in SCENARIOS[world]
     ]
 
 
@@ -56,7 +58,7 @@ def _merge(per_rank: list, index: int) -> dict[str, torch.Tensor]:
 
 def test_pipeline_equals_single_device_rule(pipeline_results):
     world, per_rank = pipeline_results
-    for index, (stages, schedule, opt, ef, clip, _) in enumerate(SCENARIOS[world]):
+    for index, (stages, schedule, opt, ef, clip, *_) in enumerate(SCENARIOS[world]):
         delay = 1 if schedule == "2bw" else 0
         replicas = world // stages
         reference = reference_run(opt, delay, ef, STEPS, clip, microbatches=stages * replicas)
@@ -70,7 +72,7 @@ def test_pipeline_equals_single_device_rule(pipeline_results):
 def test_negative_control_2bw_differs_from_sync(pipeline_results):
     world, per_rank = pipeline_results
     two_bw = _merge(per_rank, 0)  # 2bw adamw
-    stages, _, opt, _, clip, _ = SCENARIOS[world][0]
+    stages, _, opt, _, clip, *_ = SCENARIOS[world][0]
     sync = reference_run(opt, 0, 0.0, STEPS, clip, microbatches=stages)
     assert max((two_bw[n] - sync[n]).abs().max().item() for n in two_bw) > 1e-4
 
@@ -83,3 +85,13 @@ def test_losses_reach_every_rank_and_match(pipeline_results):
         values = [x for x in losses[0] if x is not None]
         assert len(values) == STEPS
         assert all(2.0 < x < 7.0 for x in values)
+
+
+def test_receives_are_preposted_only_where_asked(pipeline_results):
+    world, per_rank = pipeline_results
+    for index, (*_, prepost) in enumerate(SCENARIOS[world]):
+        counts = [rank_results[index][2] for rank_results in per_rank]
+        if prepost:
+            assert all(n > 0 for n in counts), f"scenario {index}: every stage pre-posts receives, got {counts}"
+        else:
+            assert counts == [0] * world

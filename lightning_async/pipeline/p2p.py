@@ -13,6 +13,14 @@ training call to the neighbour's next one (and deadlock against any collective L
 batches). Pending sends keep their buffers alive and are reaped as they complete; :meth:`flush`
 waits for all of them (drain, evaluation, checkpoints).
 
+Pre-posted receives (gloo): gloo moves a message only once its receive is posted, so a receive posted
+after the compute that precedes it costs a late round trip (about 1 ms against 0.15 ms on a loaded CPU,
+``benchmarks/pipeline_throughput.py --probe``). On gloo the runtime therefore posts the receive of the
+*next* action's input before running the current action (:meth:`StageTransport.prepost`), and sends on
+their own. At most one receive is outstanding and it is consumed by the very next action, so receives
+from a neighbour are still posted in the order it sends. NCCL keeps the fused, matching-order groups
+above: an unmatched receive posted early on both sides of a pair could block each other's stream.
+
 Shapes: the first activation sent after a (re)start is preceded by a small header (dtype and shape);
 afterwards every message between the same pair has that shape.
 """
@@ -33,12 +41,20 @@ class PeerFailure(RuntimeError):
 class StageTransport:
     """Sends and receives activations/gradients of one stage; ``prev``/``next`` are global ranks or None."""
 
-    def __init__(self, prev: int | None, next: int | None, group, device: torch.device, stage_of_rank) -> None:
+    def __init__(
+        self, prev: int | None, next: int | None, group, device: torch.device, stage_of_rank, prepost: bool | None = None
+    ) -> None:
         self.prev, self.next, self.group, self.device = prev, next, group, device
         self.stage_of_rank = stage_of_rank
+        #: post the next action's receive before the current action (default: on gloo only)
+        if prepost is None:
+            prepost = dist.is_initialized() and dist.get_backend(group) == "gloo"
+        self.prepost_enabled = prepost
+        self.preposted = 0  # receives posted ahead so far (for tests and benchmarks)
         self.act_spec: tuple[torch.Size, torch.dtype] | None = None  # what we receive from prev
         self.sent_spec: tuple[torch.Size, torch.dtype] | None = None  # what we send to next (= grads we receive)
         self._pending_sends: list[tuple[object, torch.Tensor, int]] = []  # (work, buffer kept alive, peer)
+        self._inbox: tuple[str, object | None, torch.Tensor, int] | None = None  # (kind, work or None, buffer, peer)
 
     def reset(self) -> None:
         """Forget shapes: the next activation exchange starts with a header."""
@@ -47,7 +63,9 @@ class StageTransport:
         self.sent_spec = None
 
     def flush(self) -> None:
-        """Wait until every posted send has been received."""
+        """Wait until every posted send has been received (and no receive is left outstanding)."""
+        if self._inbox is not None:
+            raise RuntimeError(f"a received {self._inbox[0]!r} was never consumed; the schedule and transport disagree")
         pending, self._pending_sends = self._pending_sends, []
         for work, _, peer in pending:
             self._wait([work], peer)
@@ -89,8 +107,11 @@ class StageTransport:
         return torch.empty(shape, dtype=dtype, device=self.device)
 
     # -- API ------------------------------------------------------------------------------------
-    def exchange(self, send: torch.Tensor | None, send_kind: str | None, recv: str | None) -> torch.Tensor | None:
-        """Send ``send`` (an ``"act"`` to next or a ``"grad"`` to prev) and/or receive ``recv`` in one group."""
+    def exchange(self, send: torch.Tensor | None, send_kind: str | None, recv: str | None = None) -> None:
+        """Send ``send`` (an ``"act"`` to next or a ``"grad"`` to prev) and/or receive ``recv`` in one group.
+
+        A received tensor is waited for here and handed out by the next :meth:`receive` of its kind.
+        """
         self._reap()
         ops = []
         if send is not None:
@@ -99,18 +120,42 @@ class StageTransport:
                 self.sent_spec = self._exchange_header(send, send_peer, sending=True)
             send = send.contiguous()
             ops.append(dist.P2POp(dist.isend, send, send_peer, group=self.group))
-        out = None
         if recv is not None:
-            recv_peer = self.prev if recv == "act" else self.next
-            if recv == "act" and self.act_spec is None:
-                self.act_spec = self._exchange_header(None, recv_peer, sending=False)
-            out = self._buffer(recv)
+            out, recv_peer = self._recv_buffer(recv)
             ops.append(dist.P2POp(dist.irecv, out, recv_peer, group=self.group))
         if not ops:
-            return None
+            return
         works = dist.batch_isend_irecv(ops)
         if send is not None:
             self._pending_sends.append((works[0], send, send_peer))
         if recv is not None:
             self._wait(works[-1:], recv_peer)
+            self._inbox = (recv, None, out, recv_peer)
+
+    def prepost(self, kind: str) -> bool:
+        """Post the receive of the next ``kind`` message now, unwaited (when enabled and its shape is known)."""
+        spec = self.act_spec if kind == "act" else self.sent_spec
+        if not self.prepost_enabled or spec is None or self._inbox is not None:
+            return False
+        out, peer = self._recv_buffer(kind)
+        self._inbox = (kind, dist.irecv(out, peer, group=self.group), out, peer)
+        self.preposted += 1
+        return True
+
+    def receive(self, kind: str) -> torch.Tensor:
+        """The next ``"act"`` (from prev) or ``"grad"`` (from next): already received, pre-posted, or fetched now."""
+        if self._inbox is None:
+            self.exchange(None, None, kind)
+        got, work, out, peer = self._inbox
+        if got != kind:
+            raise RuntimeError(f"expected to receive {kind!r} but {got!r} is outstanding; the schedule and transport disagree")
+        self._inbox = None
+        if work is not None:
+            self._wait([work], peer)
         return out
+
+    def _recv_buffer(self, kind: str) -> tuple[torch.Tensor, int]:
+        peer = self.prev if kind == "act" else self.next
+        if kind == "act" and self.act_spec is None:
+            self.act_spec = self._exchange_header(None, peer, sending=False)
+        return self._buffer(kind), peer

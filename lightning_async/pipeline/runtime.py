@@ -307,7 +307,6 @@ class PipelineRuntime:
 
     def _run(self, actions: Sequence[schedules.Action], training: bool = True) -> None:
         t = self.transport
-        received: torch.Tensor | None = None
         for k, action in enumerate(actions):
             nxt = actions[k + 1] if k + 1 < len(actions) else None
             self._apply_ready_updates()
@@ -320,28 +319,32 @@ class PipelineRuntime:
                 continue
             i = action.microbatch % self.m
             inputs, targets = self._batch_data[action.batch]
+            needs = self._input_kind(nxt)  # what the next action receives, if anything
             if action.kind == FORWARD:
-                if self.is_first:
-                    x = inputs[i]
-                else:
-                    x = received if received is not None else t.exchange(None, None, "act")
-                received = None
+                x = inputs[i] if self.is_first else t.receive("act")
+                preposted = needs is not None and t.prepost(needs)
                 y = self._forward(action.microbatch, action.batch, x, targets[i], training)
                 if self.is_last:
                     self._record_loss(action.batch, y)
                     continue
-                wants_grad = nxt is not None and nxt.kind == BACKWARD
-                received = t.exchange(y.detach(), "act", "grad" if wants_grad else None)
+                t.exchange(y.detach(), "act", "grad" if needs == "grad" and not preposted else None)
             else:  # BACKWARD
-                grad = None
-                if not self.is_last:
-                    grad = received if received is not None else t.exchange(None, None, "grad")
-                received = None
+                grad = None if self.is_last else t.receive("grad")
+                preposted = needs is not None and t.prepost(needs)
                 dx = self._backward(action.microbatch, grad)
                 if self.is_first:
                     continue
-                wants_act = nxt is not None and nxt.kind == FORWARD
-                received = t.exchange(dx, "grad", "act" if wants_act else None)
+                t.exchange(dx, "grad", "act" if needs == "act" and not preposted else None)
+
+    def _input_kind(self, action: schedules.Action | None) -> str | None:
+        """``"act"``/``"grad"`` if ``action`` receives its input from a neighbour, else None."""
+        if action is None:
+            return None
+        if action.kind == FORWARD and not self.is_first:
+            return "act"
+        if action.kind == BACKWARD and not self.is_last:
+            return "grad"
+        return None
 
     def train_batch(self, batch_data) -> None:
         """Run the call for the next training batch (2BW: without flushing the pipeline)."""
@@ -401,7 +404,7 @@ class PipelineRuntime:
         with torch.no_grad():
             for i, (x, target) in enumerate(chunks):
                 t.reset()  # shapes may differ from one evaluation micro-batch to the next
-                x = x if self.is_first else t.exchange(None, None, "act")
+                x = x if self.is_first else t.receive("act")
                 y = self._forward(i, -1, x, target, training=False)
                 if self.is_last:
                     total += y.float() * len(target)
