@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 
 import pytest
 import torch
@@ -182,7 +183,11 @@ def test_fit_follows_the_delayed_rule(case: dict) -> None:
     ef = [ErrorFeedback(lam, extrapolate_weight_decay=decay)] if lam else []
     delay = [DelaySimulation(1, pairing=pairing)]
     callbacks = (ef + delay if case.get("ef_first") else delay + ef) + [probe]
-    make_trainer(callbacks).fit(module, train_loader(), val_loader())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(callbacks).fit(module, train_loader(), val_loader())
+    scheduler_warnings = [str(w.message) for w in caught if "lr_scheduler" in str(w.message) or "overridden" in str(w.message)]
+    assert not scheduler_warnings  # the scheduler, rebound to the wrapper, sees its steps
 
     # after fit the module holds the newest weights x(STEPS)
     assert max_diff(weights(module), expected[-1]) <= TOL
