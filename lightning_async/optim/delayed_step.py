@@ -18,6 +18,18 @@ from torch.optim import Optimizer
 from lightning_async.optim.error_feedback import ErrorFeedbackCorrection
 
 
+#: Per-group hyperparameters that schedulers change during training (LambdaLR/cosine: ``lr``; OneCycleLR and
+#: CyclicLR: ``momentum`` or ``betas``; weight-decay schedules). A delayed update must use the values of the
+#: batch its gradient came from. Keys an optimizer itself advances inside ``step()`` (e.g. a ``step`` counter
+#: kept in the group) must never be listed: the values are restored after the step.
+SCHEDULED_KEYS = ("lr", "momentum", "betas", "weight_decay")
+
+
+def scheduled_values(optimizer: Optimizer) -> list[dict]:
+    """The current :data:`SCHEDULED_KEYS` of every parameter group (to replay them with :func:`group_values`)."""
+    return [{k: g[k] for k in SCHEDULED_KEYS if k in g} for g in optimizer.param_groups]
+
+
 @contextmanager
 def group_values(optimizer: Optimizer, values: Sequence[dict] | None):
     """Temporarily set per-group hyperparameters (e.g. the learning rate recorded for a batch)."""

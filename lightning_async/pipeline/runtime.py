@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 
-from lightning_async.optim.delayed_step import delayed_step
+from lightning_async.optim.delayed_step import delayed_step, scheduled_values
 from lightning_async.optim.error_feedback import ErrorFeedbackCorrection
 from lightning_async.pipeline import schedules
 from lightning_async.pipeline.p2p import PeerFailure, StageTransport
@@ -357,7 +357,7 @@ class PipelineRuntime:
         if self.fresh:
             self.transport.reset()
         self._batch_data[b] = self._microbatches(inputs, targets)
-        self._hyper[b] = [{"lr": g["lr"]} for g in self.optimizer.param_groups]
+        self._hyper[b] = scheduled_values(self.optimizer)  # the update of batch b uses batch b's lr, momentum...
         for old in [k for k in self._pending if k <= b - 2]:
             self._apply_update(old)
         actions = schedules.call_actions(self.schedule, self.groups.stage, self.groups.num_stages, self.m, b, self.fresh)
