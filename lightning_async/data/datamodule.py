@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 from lightning_async.data.cache import CACHE_FORMAT, TokenCache, dtype_for_vocab
 from lightning_async.data.errors import DataConfigError, NotEnoughDataError, choices
 from lightning_async.data.shards import check_dtype, max_token_id, shard_segment
+from lightning_async.data.sampler import ResumableDataLoader, ResumableShuffleSampler
 from lightning_async.data.sources import Corpus, FileCorpus, HFCorpus, StdlibCorpus, capped, check_data_files, resolve_paths
 from lightning_async.data.tokenizer import (
     ByteTokenizer,
@@ -374,18 +375,27 @@ class TextDataModule(LightningDataModule):
         return int(os.environ.get("PL_GLOBAL_SEED", 0))
 
     def train_dataloader(self) -> DataLoader:
-        generator = torch.Generator()
-        generator.manual_seed(self.shuffle_seed)
-        return DataLoader(
-            self._require(self.train_dataset),
+        """Shuffled per epoch, sharded over data-parallel replicas, resumable mid-epoch (``ResumableShuffleSampler``)."""
+        dataset = self._require(self.train_dataset)
+        kwargs = self._sampler_kwargs()
+        sampler = ResumableShuffleSampler(
+            dataset, self.batch_size, self.shuffle_seed, kwargs.get("num_replicas", 1), kwargs.get("rank", 0),
+            resume_point=self._resume_point if getattr(self, "trainer", None) is not None else None,
+        )
+        return ResumableDataLoader(
+            dataset,
             batch_size=self.batch_size,
-            shuffle=True,
-            generator=generator,
+            sampler=sampler,
             drop_last=True,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
             pin_memory=torch.cuda.is_available(),
         )
+
+    def _resume_point(self) -> tuple[int, int]:
+        """The Trainer's epoch and the batches of it already trained (restored from a checkpoint when resuming)."""
+        trainer = self.trainer
+        return trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_progress.current.ready
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(
@@ -405,10 +415,14 @@ class TextDataModule(LightningDataModule):
             raise RuntimeError("call `setup()` before asking for a dataloader (the Trainer does this for you).")
         return dataset
 
-    def _replicas(self) -> int:
+    def _sampler_kwargs(self) -> dict:
+        """The strategy's data-parallel sharding (``num_replicas``, ``rank``); empty without a distributed Trainer."""
         trainer = getattr(self, "trainer", None)
         kwargs = getattr(trainer, "distributed_sampler_kwargs", None) if trainer is not None else None
-        return int(kwargs.get("num_replicas", 1)) if kwargs else 1
+        return dict(kwargs or {})
+
+    def _replicas(self) -> int:
+        return int(self._sampler_kwargs().get("num_replicas", 1))
 
     def _more_data_hint(self) -> str:
         hints = []
