@@ -89,7 +89,8 @@ def make_step(path: str, lm: CausalLM, args, autocast):
     Error Feedback, as ``DelaySimulation(1)`` + ``ErrorFeedback`` run it) or ``2bw`` (the pipeline runtime)."""
     if path == "2bw":
         stage = StageModule(lm.pipeline_units())
-        opt = make_optimizer(args.optimizer, stage.named_parameters())
+        # the model's own names (the stage module's are "units.0.weight"...) decide the zoo's grouping
+        opt = make_optimizer(args.optimizer, lm.model.named_parameters())
         runtime = PipelineRuntime(stage, opt, "2bw", args.microbatches, split_next_token, next_token_loss, autocast=autocast)
         return runtime.train_batch
     opt = make_optimizer(args.optimizer, lm.model.named_parameters())

@@ -49,14 +49,17 @@ def lr_lambda(step: int) -> float:
     return 1.0 / (1.0 + 0.1 * step)  # a changing lr checks that each update uses its own batch's lr
 
 
-def schedule_momentum(optimizer, step: int) -> None:
-    """Alternate the first momentum coefficient every batch (as OneCycleLR's momentum cycling would, only
-    harder): each delayed update must use the momentum of its own batch, not the one current when it runs."""
+def schedule_hyperparameters(optimizer, step: int) -> None:
+    """Alternate momentum (or beta1) and weight decay every batch (as OneCycleLR's momentum cycling or a decay
+    schedule would, only harder): each delayed update must use its own batch's values, not the current ones."""
+    even = step % 2 == 0
     for group in optimizer.param_groups:
         if "momentum" in group:
-            group["momentum"] = 0.95 if step % 2 == 0 else 0.8
+            group["momentum"] = 0.95 if even else 0.8
         if "betas" in group:
-            group["betas"] = (0.9 if step % 2 == 0 else 0.6, *group["betas"][1:])
+            group["betas"] = (0.9 if even else 0.6, *group["betas"][1:])
+        if group.get("weight_decay"):
+            group["weight_decay"] = 0.1 if even else 0.4
 
 
 def reference_run(optimizer: str, delay: int, ef: float, steps: int, clip: float | None, microbatches: int = 1) -> dict[str, torch.Tensor]:
@@ -70,7 +73,7 @@ def reference_run(optimizer: str, delay: int, ef: float, steps: int, clip: float
     opt = build_optimizer(optimizer, named, lr=LRS[optimizer], weight_decay=0.1, **KWARGS.get(optimizer, {}))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
     wrapped = DelayedOptimizer(opt, delay=delay, error_feedback=ef, pairing="2bw")
-    schedule_momentum(opt, 0)
+    schedule_hyperparameters(opt, 0)
     for step, batch in enumerate(make_batches(steps)):
         for chunk in batch.chunk(microbatches):
             inputs, targets = split_next_token(chunk)
@@ -80,7 +83,7 @@ def reference_run(optimizer: str, delay: int, ef: float, steps: int, clip: float
         wrapped.step()
         wrapped.zero_grad()
         sched.step()
-        schedule_momentum(opt, step + 1)
+        schedule_hyperparameters(opt, step + 1)
     newest = {id(p): w for p, w in zip(wrapped.params, wrapped.newest_weights())}
     weights = {f"model.{n}": newest[id(p)].clone() for n, p in model.named_parameters(remove_duplicate=False)}
     for p in model.parameters():
@@ -116,7 +119,7 @@ def pipeline_run(
             unique.append((n, p))
     opt = build_optimizer(optimizer, unique, lr=LRS[optimizer], weight_decay=0.1, **KWARGS.get(optimizer, {}))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
-    schedule_momentum(opt, 0)
+    schedule_hyperparameters(opt, 0)
     groups = make_pipeline_groups(rank, dist.get_world_size(), stages)
     runtime = PipelineRuntime(
         stage_module, opt, schedule, m, split_next_token, next_token_loss, groups,
@@ -130,7 +133,7 @@ def pipeline_run(
     for b, batch in enumerate(make_batches(steps)):
         runtime.train_batch(batch.chunk(replicas)[replica])  # data parallel: each replica its shard
         sched.step()
-        schedule_momentum(opt, b + 1)
+        schedule_hyperparameters(opt, b + 1)
         if b in drain_at:
             with torch.inference_mode():
                 runtime.eval_batch(batch.chunk(replicas)[replica])

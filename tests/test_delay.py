@@ -21,6 +21,8 @@ import io
 import pytest
 import torch
 
+import lightning_async.optim.error_feedback as error_feedback_module
+
 from lightning_async.models import SmolLM2, model_config
 from lightning_async.models.objective import next_token_loss, split_next_token
 from lightning_async.optim import DelayedOptimizer, ErrorFeedbackCorrection
@@ -190,6 +192,19 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 # ---- parity with the reference -------------------------------------------------------------------
 CASES = [(name, 1, lam) for name in OPTIMIZER_NAMES for lam in (0.0, 1.0)]
 CASES += [("adamw", 2, 1.0), ("muon", 2, 1.0), ("soap", 2, 0.0)]
+
+
+def test_error_feedback_in_small_chunks_is_identical(monkeypatch) -> None:
+    """The correction runs over groups of parameters (bounded temporaries); the grouping must not matter."""
+    model, wrapped = library_run("adamw", 1, 1.0, "2bw")
+    whole = newest_by_name(model, wrapped)
+    monkeypatch.setattr(error_feedback_module, "CHUNK_ELEMENTS", 2000)  # most tensors alone, small ones grouped
+    model, wrapped = library_run("adamw", 1, 1.0, "2bw")
+    assert all(torch.equal(whole[n], t) for n, t in newest_by_name(model, wrapped).items())
+    sizes = [t.numel() for t in model.parameters()]
+    chunks = error_feedback_module._chunks(list(model.parameters()), 2000)
+    assert [t.numel() for c in chunks for t in c] == sizes  # every tensor once, in order
+    assert all(len(c) == 1 or sum(t.numel() for t in c) <= 2000 for c in chunks) and len(chunks) < len(sizes)
 
 
 @pytest.mark.parametrize("pairing", ["2bw", "fifo"])

@@ -378,8 +378,14 @@ class TextDataModule(LightningDataModule):
         """Shuffled per epoch, sharded over data-parallel replicas, resumable mid-epoch (``ResumableShuffleSampler``)."""
         dataset = self._require(self.train_dataset)
         kwargs = self._sampler_kwargs()
+        seed = self.shuffle_seed
+        trainer = getattr(self, "trainer", None)
+        if trainer is not None and trainer.world_size > 1:
+            # every process must draw the same permutation (pipeline stages read the same batches, replicas
+            # split one permutation), even if the script seeded its ranks differently: rank 0's seed wins
+            seed = trainer.strategy.broadcast(seed, src=0)
         sampler = ResumableShuffleSampler(
-            dataset, self.batch_size, self.shuffle_seed, kwargs.get("num_replicas", 1), kwargs.get("rank", 0),
+            dataset, self.batch_size, seed, kwargs.get("num_replicas", 1), kwargs.get("rank", 0),
             resume_point=self._resume_point if getattr(self, "trainer", None) is not None else None,
         )
         return ResumableDataLoader(

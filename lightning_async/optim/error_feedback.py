@@ -15,6 +15,25 @@ import torch
 from torch.optim import Optimizer
 
 
+#: parameters are corrected in groups of at most this many elements: ``torch._foreach_*`` launches one kernel
+#: per group and dtype, and the two temporaries (``u`` and ``u - u_prev``) stay bounded (2 x 64 MiB in fp32)
+CHUNK_ELEMENTS = 1 << 24
+
+
+def _chunks(tensors: list[torch.Tensor], max_elements: int) -> list[list[torch.Tensor]]:
+    """Consecutive groups of ``tensors`` holding at most ``max_elements`` elements (a larger tensor stands alone)."""
+    out: list[list[torch.Tensor]] = []
+    size = 0
+    for t in tensors:
+        if out and size + t.numel() <= max_elements:
+            out[-1].append(t)
+            size += t.numel()
+        else:
+            out.append([t])
+            size = t.numel()
+    return out
+
+
 class ErrorFeedbackCorrection:
     """Holds one ``u_prev`` buffer per parameter (the only persistent memory EF costs).
 
@@ -46,19 +65,16 @@ class ErrorFeedbackCorrection:
             return
         lam = self.strength
         for group in optimizer.param_groups:
+            decay = 0.0 if self.extrapolate_weight_decay else group.get("lr", 0.0) * group.get("weight_decay", 0.0)
             params = [p for p in group["params"] if p in before]
-            if not params:
-                continue
-            old = [before[p] for p in params]
-            updates = torch._foreach_sub(old, params)  # u = before - after
-            if not self.extrapolate_weight_decay:
-                decay = group.get("lr", 0.0) * group.get("weight_decay", 0.0)
+            for chunk in _chunks(params, CHUNK_ELEMENTS):
+                old = [before[p] for p in chunk]
+                updates = torch._foreach_sub(old, chunk)  # u = before - after
                 if decay:
                     torch._foreach_sub_(updates, old, alpha=decay)
-            previous = [self._buffer(p) for p in params]
-            torch._foreach_sub_(previous, updates)  # u_prev - u
-            torch._foreach_add_(params, previous, alpha=lam)  # x - lam (u - u_prev)
-            self.previous_update.update(zip(params, updates))
+                previous = [self._buffer(p) for p in chunk]
+                torch._foreach_sub_(chunk, torch._foreach_sub(updates, previous), alpha=lam)  # x - lam (u - u_prev)
+                self.previous_update.update(zip(chunk, updates))  # new buffers: earlier state_dicts stay valid
 
     def _buffer(self, p: torch.Tensor) -> torch.Tensor:
         previous = self.previous_update.get(p)

@@ -70,6 +70,10 @@ class StageTransport:
         for work, _, peer in pending:
             self._wait([work], peer)
 
+    def abandon(self) -> None:
+        """Forget a received or pre-posted message after a failed call (the pipeline will not continue)."""
+        self._inbox = None
+
     def _reap(self) -> None:
         self._pending_sends = [entry for entry in self._pending_sends if not entry[0].is_completed()]
 

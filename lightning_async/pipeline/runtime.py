@@ -306,6 +306,13 @@ class PipelineRuntime:
         return list(inputs.chunk(self.m)), list(targets.chunk(self.m))
 
     def _run(self, actions: Sequence[schedules.Action], training: bool = True) -> None:
+        try:
+            self._run_actions(actions, training)
+        except BaseException:
+            self.transport.abandon()  # a later drain must report nothing about this call's receive
+            raise
+
+    def _run_actions(self, actions: Sequence[schedules.Action], training: bool) -> None:
         t = self.transport
         for k, action in enumerate(actions):
             nxt = actions[k + 1] if k + 1 < len(actions) else None
