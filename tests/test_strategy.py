@@ -17,6 +17,7 @@ from _pipeline_harness import free_port, spawn
 from lightning_async.callbacks import DelaySimulation, ErrorFeedback
 from lightning_async.lm import CausalLM
 from lightning_async.pipeline.partition import partition_units
+from lightning_async.data.sampler import ResumableDataLoader, ResumableShuffleSampler, trainer_position
 from lightning_async.strategies import AsyncPipelineStrategy
 from lightning_async.strategies.async_pipe import check_pipeline_contract
 
@@ -30,11 +31,12 @@ def _data(n: int, seed: int) -> list[torch.Tensor]:
 
 
 class TinyData(L.LightningDataModule):
-    """Four batches per epoch: the step-4 checkpoint falls on an epoch boundary (Lightning restarts a
-    plain DataLoader from its first batch when resuming mid-epoch)."""
+    """Five shuffled batches per epoch through the resumable sampler: the step-4 checkpoint falls mid-epoch."""
 
     def train_dataloader(self):
-        return DataLoader(_data(32, 1), batch_size=8, shuffle=False, drop_last=True)
+        data = _data(40, 1)
+        sampler = ResumableShuffleSampler(data, 8, seed=0, resume_point=trainer_position(self.trainer))
+        return ResumableDataLoader(data, batch_size=8, sampler=sampler, drop_last=True)
 
     def val_dataloader(self):
         return DataLoader(_data(16, 2), batch_size=8, drop_last=True)

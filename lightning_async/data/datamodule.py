@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 from lightning_async.data.cache import CACHE_FORMAT, TokenCache, dtype_for_vocab
 from lightning_async.data.errors import DataConfigError, NotEnoughDataError, choices
 from lightning_async.data.shards import check_dtype, max_token_id, shard_segment
-from lightning_async.data.sampler import ResumableDataLoader, ResumableShuffleSampler
+from lightning_async.data.sampler import ResumableDataLoader, ResumableShuffleSampler, trainer_position
 from lightning_async.data.sources import Corpus, FileCorpus, HFCorpus, StdlibCorpus, capped, check_data_files, resolve_paths
 from lightning_async.data.tokenizer import (
     ByteTokenizer,
@@ -386,7 +386,7 @@ class TextDataModule(LightningDataModule):
             seed = trainer.strategy.broadcast(seed, src=0)
         sampler = ResumableShuffleSampler(
             dataset, self.batch_size, seed, kwargs.get("num_replicas", 1), kwargs.get("rank", 0),
-            resume_point=self._resume_point if getattr(self, "trainer", None) is not None else None,
+            resume_point=trainer_position(trainer) if trainer is not None else None,
         )
         return ResumableDataLoader(
             dataset,
@@ -397,11 +397,6 @@ class TextDataModule(LightningDataModule):
             persistent_workers=self.num_workers > 0,
             pin_memory=torch.cuda.is_available(),
         )
-
-    def _resume_point(self) -> tuple[int, int]:
-        """The Trainer's epoch and the batches of it already trained (restored from a checkpoint when resuming)."""
-        trainer = self.trainer
-        return trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_progress.current.ready
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(

@@ -19,6 +19,11 @@ from torch.utils.data import DataLoader, DistributedSampler
 ResumePoint = Callable[[], "tuple[int, int]"]
 
 
+def trainer_position(trainer) -> ResumePoint:
+    """The :data:`ResumePoint` of a Lightning ``Trainer``: its epoch and the batches of it already trained."""
+    return lambda: (trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_progress.current.ready)
+
+
 class ResumableShuffleSampler(DistributedSampler):
     """Shuffle per epoch from ``(seed, epoch)``, shard over data-parallel replicas, resume mid-epoch.
 
