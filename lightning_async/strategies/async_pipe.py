@@ -338,7 +338,12 @@ class AsyncPipelineStrategy(DDPStrategy):
         return closure_loss  # backwards ran inside the pipeline
 
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
-        return closure()  # updates happen inside the pipeline, at each stage's batch boundary
+        result = closure()  # updates happen inside the pipeline, at each stage's batch boundary
+        # The batch's update is applied later (under 2BW) with the learning rate recorded now, so the scheduler
+        # may step first; record the step where torch's LRScheduler looks, or it warns that the first value
+        # of the schedule is skipped (it is not).
+        getattr(optimizer, "optimizer", optimizer)._opt_called = True
+        return result
 
     def validation_step(self, *args: Any, **kwargs: Any):
         loss = self.runtime.eval_batch(args[0])
