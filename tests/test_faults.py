@@ -49,3 +49,16 @@ def test_dead_stage_is_named_and_nobody_hangs():
     assert message.startswith("rank 0 failed")
     assert "PeerFailure" in message and "stage 1 (global rank 1) stopped answering" in message, message[-600:]
     assert time.monotonic() - start < 90
+
+
+def test_pre_posted_receives_are_refused_off_gloo():
+    import torch
+
+    from lightning_async.pipeline.p2p import StageTransport
+
+    with pytest.raises(ValueError, match="Pre-posted receives need the gloo backend"):
+        StageTransport(None, None, None, torch.device("cpu"), lambda r: r, prepost=True)  # no gloo group here
+    transport = StageTransport(None, None, None, torch.device("cpu"), lambda r: r)
+    assert transport.prepost_enabled is False
+    with pytest.raises(ValueError, match="gloo"):
+        transport.prepost_enabled = True

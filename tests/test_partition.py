@@ -51,3 +51,22 @@ def test_tied_weights_count_once_in_parameter_balance():
 def test_bad_partitions_name_the_fix(stages, method, message):
     with pytest.raises(ValueError, match=message):
         partition_units(units([1] * 6), stages, method)
+
+
+def test_tied_weights_pair_up_in_one_order_and_only_between_first_and_last_stage():
+    from torch import nn
+
+    from lightning_async.pipeline.runtime import build_stage
+
+    a, b = nn.Linear(2, 2), nn.Linear(3, 3)
+    first = nn.ModuleDict({"x": a, "y": b})
+    last = nn.ModuleDict({"u": b, "v": a})  # registered in the opposite order
+    units = [("first", first), ("mid", nn.Linear(4, 4)), ("last", last)]
+    split = [["first"], ["mid"], ["last"]]
+    head, tied_head = build_stage(units, split, 0)
+    tail, tied_tail = build_stage(units, split, 2)
+    assert len(tied_head) == len(tied_tail) == 4  # two weights and two biases
+    assert all(head.get_parameter(m) is tail.get_parameter(n) for m, n in zip(tied_head, tied_tail))
+    shared_with_middle = [("first", a), ("mid", nn.ModuleDict({"w": a})), ("last", nn.Linear(2, 2))]
+    with pytest.raises(ValueError, match=r"'first.weight' is shared by pipeline stages \[0, 1\]; only the first and the last"):
+        build_stage(shared_with_middle, split, 0)

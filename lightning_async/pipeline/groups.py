@@ -2,31 +2,53 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch.distributed as dist
 
 from lightning_async.pipeline.runtime import PipelineGroups
 
+# Groups made under the current default process group, by (rank, world size, stages). Every fit, validate or
+# test sets the strategy up again; on NCCL each ``new_group`` is a communicator (memory, and a collective
+# split across the whole world), so they are made once per default group and reused.
+_MADE: dict = {}
+
 
 def make_pipeline_groups(rank: int, world_size: int, pipeline_parallel_size: int) -> PipelineGroups:
     """Create every group (all ranks must call this, in the same order) and return this rank's."""
-    pp = pipeline_parallel_size
-    dp = world_size // pp
-    groups = PipelineGroups(
-        stage=rank % pp, num_stages=pp, data_parallel_size=dp, stage_of_rank=lambda r: r % pp, rank=rank, world_size=world_size
-    )
     if world_size == 1 or not dist.is_initialized():
-        return groups
+        return _empty(rank, world_size, pipeline_parallel_size)
+    if _MADE.get("world") is not dist.group.WORLD:  # a new default group: the old groups died with it
+        _MADE.clear()
+        _MADE["world"] = dist.group.WORLD
+    key = (rank, world_size, pipeline_parallel_size)
+    if key not in _MADE:
+        _MADE[key] = _make(rank, world_size, pipeline_parallel_size)
+    return dataclasses.replace(_MADE[key])
+
+
+def _empty(rank: int, world_size: int, pp: int) -> PipelineGroups:
+    return PipelineGroups(
+        stage=rank % pp, num_stages=pp, data_parallel_size=world_size // pp, stage_of_rank=lambda r: r % pp,
+        rank=rank, world_size=world_size,
+    )
+
+
+def _make(rank: int, world_size: int, pp: int) -> PipelineGroups:
+    groups = _empty(rank, world_size, pp)
+    dp = world_size // pp
     for replica in range(dp):
         ranks = [replica * pp + s for s in range(pp)]
         p2p, pipeline = dist.new_group(ranks), dist.new_group(ranks)
         tied = dist.new_group([ranks[0], ranks[-1]]) if pp > 1 else None
         if rank in ranks:
             groups.p2p, groups.pipeline, groups.tied = p2p, pipeline, tied
-    for stage in range(pp):
-        ranks = [replica * pp + stage for replica in range(dp)]
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            groups.data_parallel = group
+    if dp > 1:  # (with one replica there is nothing to average; every rank skips alike)
+        for stage in range(pp):
+            ranks = [replica * pp + stage for replica in range(dp)]
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                groups.data_parallel = group
     groups.metrics = dist.new_group(list(range(world_size)))
     if groups.stage > 0:
         groups.prev_rank = rank - 1

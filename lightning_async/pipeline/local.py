@@ -28,9 +28,13 @@ def _worker(rank: int, world: int, port: int, backend: str, fn: Callable, args: 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     try:
+        device_id = None
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, rank=rank, world_size=world)
+            # bound to its device, NCCL creates every group's communicator eagerly at new_group, as under
+            # Lightning; created lazily, the first use of a 3+ stage pipeline's group could deadlock
+            device_id = torch.device("cuda", rank)
+        dist.init_process_group(backend, rank=rank, world_size=world, device_id=device_id)
         buffer = io.BytesIO()
         torch.save(fn(*args), buffer)  # bytes, not shared-memory tensors: the child may exit first
         queue.put((rank, "ok", buffer.getvalue()))
@@ -61,7 +65,7 @@ def run_local(
             rank, status, value = queue.get(timeout=timeout)
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results[rank] = torch.load(io.BytesIO(value), weights_only=False)
+            results[rank] = torch.load(io.BytesIO(value), weights_only=False, map_location="cpu")
     finally:
         for proc in procs:
             proc.join(timeout=10)

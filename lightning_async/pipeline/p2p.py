@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32]
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int8, torch.uint8]
 _HEADER_LEN = 10
 
 
@@ -47,14 +47,27 @@ class StageTransport:
         self.prev, self.next, self.group, self.device = prev, next, group, device
         self.stage_of_rank = stage_of_rank
         #: post the next action's receive before the current action (default: on gloo only)
-        if prepost is None:
-            prepost = dist.is_initialized() and dist.get_backend(group) == "gloo"
-        self.prepost_enabled = prepost
+        self._gloo = dist.is_initialized() and dist.get_backend(group) == "gloo"
+        self.prepost_enabled = self._gloo if prepost is None else prepost
         self.preposted = 0  # receives posted ahead so far (for tests and benchmarks)
         self.act_spec: tuple[torch.Size, torch.dtype] | None = None  # what we receive from prev
         self.sent_spec: tuple[torch.Size, torch.dtype] | None = None  # what we send to next (= grads we receive)
         self._pending_sends: list[tuple[object, torch.Tensor, int]] = []  # (work, buffer kept alive, peer)
         self._inbox: tuple[str, object | None, torch.Tensor, int] | None = None  # (kind, work or None, buffer, peer)
+
+    @property
+    def prepost_enabled(self) -> bool:
+        """Whether the next action's receive is posted before the current action runs (gloo only)."""
+        return self._prepost
+
+    @prepost_enabled.setter
+    def prepost_enabled(self, value: bool) -> None:
+        if value and not self._gloo:
+            raise ValueError(
+                "Pre-posted receives need the gloo backend: on NCCL a lone receive uses another communicator than "
+                "the batched send it waits for, and would never be matched. Leave it off (the default there)."
+            )
+        self._prepost = bool(value)
 
     def reset(self) -> None:
         """Forget shapes: the next activation exchange starts with a header."""

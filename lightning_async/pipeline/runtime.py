@@ -50,11 +50,23 @@ def build_stage(
     """This stage's module and the names (in it) of weights it shares with another stage (tied embeddings)."""
     stage_of = {name: s for s, names in enumerate(stage_units) for name in names}
     owners: dict[int, set[int]] = {}
+    first_name: dict[int, str] = {}  # a weight's global name where it first appears: the same on every stage
     for name, unit in units:
-        for p in unit.parameters():
+        for pname, p in unit.named_parameters(remove_duplicate=False):
             owners.setdefault(id(p), set()).add(stage_of[name])
+            first_name.setdefault(id(p), f"{name}.{pname}")
+    last = len(stage_units) - 1
+    for pid, stages in owners.items():
+        if len(stages) > 1 and stages != {0, last}:
+            raise ValueError(
+                f"The weight {first_name[pid]!r} is shared by pipeline stages {sorted(stages)}; only the first and the "
+                f"last stage may share weights (tied embeddings). Choose a split that keeps it on one stage "
+                f"(`partition`) or untie it."
+            )
     stage_module = StageModule([(n, u) for n, u in units if stage_of[n] == stage])
-    tied = [n for n, p in stage_module.named_parameters() if len(owners[id(p)]) > 1]
+    # both ends list their tied weights in one order (the reductions pair them by position)
+    tied = sorted((n for n, p in stage_module.named_parameters() if len(owners[id(p)]) > 1),
+                  key=lambda n: first_name[id(stage_module.get_parameter(n))])
     return stage_module, tied
 
 
@@ -114,6 +126,7 @@ class _PendingUpdate:
     hyperparameters: list[dict]
     works: list = field(default_factory=list)
     norm_sq: torch.Tensor | None = None
+    launch: Callable[[], None] | None = None  # cross-stage reductions not started yet (see _begin_update)
 
 
 class PipelineRuntime:
@@ -257,27 +270,46 @@ class PipelineRuntime:
                 x.div_(g.data_parallel_size)
             works = [dist.all_reduce(x, group=g.data_parallel, async_op=True) for x in present]
             wait_collectives(works, "the data-parallel gradient average", g, "data_parallel")  # replicas run in lockstep
-        if g.tied is not None and self.tied:
-            pending.works += [dist.all_reduce(grads[i], group=g.tied, async_op=True) for i in self.tied if grads[i] is not None]
-            if self.is_first:  # the last stage posted long ago; the first stage's norm needs the sum
-                wait_collectives(pending.works, "the tied-weight gradient sum", g, "tied")
-        if self.clip:
-            skip = set() if self.count_tied_in_norm else set(self.tied)
-            sq = sum((x.float().pow(2).sum() for i, x in enumerate(grads) if x is not None and i not in skip), torch.zeros((), device=self.device))
-            pending.norm_sq = sq
-            if g.pipeline is not None:
-                pending.works.append(dist.all_reduce(sq, group=g.pipeline, async_op=True))
+
+        def launch() -> None:
+            pending.launch = None
+            if g.tied is not None and self.tied:
+                pending.works += [dist.all_reduce(grads[i], group=g.tied, async_op=True) for i in self.tied if grads[i] is not None]
+                if self.is_first:  # the last stage posted long ago; the first stage's norm needs the sum
+                    wait_collectives(pending.works, "the tied-weight gradient sum", g, "tied")
+            if self.clip:
+                skip = set() if self.count_tied_in_norm else set(self.tied)
+                sq = sum((x.float().pow(2).sum() for i, x in enumerate(grads) if x is not None and i not in skip), torch.zeros((), device=self.device))
+                pending.norm_sq = sq
+                if g.pipeline is not None:
+                    pending.works.append(dist.all_reduce(sq, group=g.pipeline, async_op=True))
+
         self._pending[batch] = pending
+        if self.is_last and self.schedule == "2bw" and not self.is_first:
+            # Under 2BW the last stage finishes batch b inside call b, but the first stage joins these reductions
+            # only in call b+1. Started now, an NCCL reduction would sit on this GPU across the step boundary, and
+            # any device-wide sync there (torch.cuda.synchronize, empty_cache, an allocator retry) would wait for
+            # this rank's own next call: a deadlock. So they start with the next call (or the drain).
+            pending.launch = launch
+        else:
+            launch()
+
+    def _launch_deferred(self) -> None:
+        for pending in self._pending.values():
+            if pending.launch is not None:
+                pending.launch()
 
     def _apply_ready_updates(self) -> None:
         """Apply pending updates whose reductions have finished (frees their gradient buffers early)."""
         for batch in list(self._pending):
-            if not all(work.is_completed() for work in self._pending[batch].works):
+            if self._pending[batch].launch is not None or not all(work.is_completed() for work in self._pending[batch].works):
                 return  # updates are applied in batch order
             self._apply_update(batch)
 
     def _apply_update(self, batch: int) -> None:
         pending = self._pending.pop(batch)
+        if pending.launch is not None:
+            pending.launch()
         wait_collectives(pending.works, f"the gradient reductions of batch {batch}", self.groups, "pipeline")
         if self.clip and pending.norm_sq is not None:
             norm = pending.norm_sq.sqrt()
@@ -364,6 +396,7 @@ class PipelineRuntime:
         if self.fresh:
             self.transport.reset()
         self._batch_data[b] = self._microbatches(inputs, targets)
+        self._launch_deferred()
         self._hyper[b] = scheduled_values(self.optimizer)  # the update of batch b uses batch b's lr, momentum...
         for old in [k for k in self._pending if k <= b - 2]:
             self._apply_update(old)
