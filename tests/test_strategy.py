@@ -214,6 +214,13 @@ def test_nccl_on_cpu():
         _strategy(2, process_group_backend="nccl").validate_mesh()
 
 
+def test_gloo_on_gpus(monkeypatch):
+    strategy = _strategy(2, process_group_backend="gloo")
+    monkeypatch.setattr(AsyncPipelineStrategy, "root_device", property(lambda self: torch.device("cuda", 0)))
+    with pytest.raises(ValueError, match="'gloo' cannot send CUDA tensors"):
+        strategy.validate_mesh()
+
+
 def test_more_stages_than_units():
     model = CausalLM(vocab_size=257, model_overrides=dict(SHAPE, num_layers=2))
     with pytest.raises(ValueError, match="Cannot split 4 pipeline units into 5 stages"):

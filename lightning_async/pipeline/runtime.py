@@ -70,6 +70,22 @@ def build_stage(
     return stage_module, tied
 
 
+def average_over_replicas(grads: list[torch.Tensor], groups: "PipelineGroups") -> None:
+    """Average ``grads`` in place over the data-parallel replicas: one reduction per dtype, not per tensor."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for x in grads:
+        by_dtype.setdefault(x.dtype, []).append(x)
+    flats, works = [], []
+    for same in by_dtype.values():
+        flat = torch.cat([x.reshape(-1) for x in same]).div_(groups.data_parallel_size)
+        flats.append((flat, same))
+        works.append(dist.all_reduce(flat, group=groups.data_parallel, async_op=True))
+    wait_collectives(works, "the data-parallel gradient average", groups, "data_parallel")  # replicas run in lockstep
+    for flat, same in flats:
+        for x, part in zip(same, flat.split([x.numel() for x in same])):
+            x.copy_(part.view_as(x))
+
+
 @dataclass
 class PipelineGroups:
     """Process groups and ranks a stage talks to (built by the strategy; all ``None`` on one process)."""
@@ -266,10 +282,7 @@ class PipelineRuntime:
         g = self.groups
         present = [x for x in grads if x is not None]
         if g.data_parallel is not None and g.data_parallel_size > 1:
-            for x in present:
-                x.div_(g.data_parallel_size)
-            works = [dist.all_reduce(x, group=g.data_parallel, async_op=True) for x in present]
-            wait_collectives(works, "the data-parallel gradient average", g, "data_parallel")  # replicas run in lockstep
+            average_over_replicas(present, g)
 
         def launch() -> None:
             pending.launch = None

@@ -172,6 +172,11 @@ class AsyncPipelineStrategy(DDPStrategy):
                 "process_group_backend='nccl' needs CUDA tensors, but this run is on the CPU. "
                 "Use accelerator='gpu', or process_group_backend='gloo' on CPUs."
             )
+        if backend == "gloo" and self.root_device.type == "cuda":
+            raise ValueError(
+                "process_group_backend='gloo' cannot send CUDA tensors between pipeline stages. Leave "
+                "process_group_backend unset (NCCL on GPUs), or use accelerator='cpu' with gloo."
+            )
         module = self.lightning_module
         if module is not None:
             check_pipeline_contract(module)
