@@ -447,16 +447,19 @@ class PipelineRuntime:
         """Forward-only pipeline at the newest weights; returns the mean loss on every rank.
 
         Evaluation batches may have any size: micro-batches are cut with ``tensor_split`` (sizes may
-        differ, each message carries its own header) and the loss is weighted by micro-batch size.
+        differ; a header announces each new size, one per run of equal sizes) and the loss is weighted by micro-batch size.
         """
         self.drain()
         inputs, targets = self.split_batch(batch_data)
         chunks = [(x, y) for x, y in zip(inputs.tensor_split(self.m), targets.tensor_split(self.m)) if len(x)]
         t = self.transport
         total, count = torch.zeros((), device=self.device), 0
+        rows = None
         with torch.no_grad():
             for i, (x, target) in enumerate(chunks):
-                t.reset()  # shapes may differ from one evaluation micro-batch to the next
+                if len(x) != rows:  # every rank holds the batch, so all agree when a new shape (and header) comes
+                    t.reset()
+                    rows = len(x)
                 x = x if self.is_first else t.receive("act")
                 y = self._forward(i, -1, x, target, training=False)
                 if self.is_last:
