@@ -193,14 +193,20 @@ class AsyncPipelineStrategy(DDPStrategy):
             self._launcher = _PipelineSpawnLauncher(self, start_method=self._start_method)
 
     def gather_full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The unsplit module's state dict (newest weights), on every rank (a collective)."""
+        """The unsplit module's state dict (newest weights) on global rank 0; other ranks get their own part.
+
+        A collective. Gathered to rank 0 only (not to every rank): on NCCL each receiving GPU would stage the
+        whole model once per rank.
+        """
         if self.runtime is not None:
             self.runtime.drain()
         local = {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()}
         if not (dist.is_initialized() and self.world > 1):
             return local
-        gathered: list = [None] * self.world
-        dist.all_gather_object(gathered, local if self.data_parallel_rank == 0 else {})
+        gathered: list | None = [None] * self.world if self.global_rank == 0 else None
+        dist.gather_object(local if self.data_parallel_rank == 0 else {}, gathered, dst=0)
+        if gathered is None:
+            return local
         return {k: v for part in gathered for k, v in part.items()}
 
     # ---- setup --------------------------------------------------------------------------------
