@@ -500,7 +500,7 @@ class PipelineRuntime:
         return {
             "schedule": self.schedule,
             "batches_done": self.batches_done,
-            "slots": [[t.detach().clone() for t in slot] for slot in self.slots],
+            "slots": [[t.detach().to("cpu", copy=True) for t in slot] for slot in self.slots],  # no GPU spike
             "newest_slot": next(i for i, s in enumerate(self.slots) if s[0].data_ptr() == self.params[0].data_ptr()),
             "error_feedback": None if self.correction is None else self.correction.state_dict(self.params),
         }
