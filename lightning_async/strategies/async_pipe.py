@@ -369,6 +369,11 @@ class AsyncPipelineStrategy(DDPStrategy):
     def predict_step(self, *args: Any, **kwargs: Any):
         raise NotImplementedError("predict is not supported by the pipeline strategy; load the checkpoint into the plain module.")
 
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self.root_device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.root_device)  # the logged peak is this fit's
+
     def on_train_end(self) -> None:
         if self.runtime is not None:
             self.runtime.drain()
