@@ -45,11 +45,14 @@ from lightning_async.optim.error_feedback import ErrorFeedbackCorrection  # noqa
 from lightning_async.pipeline.groups import make_pipeline_groups  # noqa: E402
 from lightning_async.pipeline.local import run_local  # noqa: E402
 from lightning_async.pipeline.partition import partition_units  # noqa: E402
+from lightning_async.pipeline import runtime as runtime_module  # noqa: E402
+from lightning_async.pipeline.boundary import flatten  # noqa: E402
 from lightning_async.pipeline.runtime import PipelineRuntime, StageModule, build_stage  # noqa: E402
 from lightning_async.pipeline.simulator import memory_model, simulate  # noqa: E402
 from lightning_async.simulate import SavedTensorBytes, measure_model, stage_costs_from_measurement  # noqa: E402
 
-CONFIGS = {"1f1b": ("1f1b", None), "2bw": ("2bw", None), "2bw+ef": ("2bw", 1.0)}
+# config -> (schedule, EF strength, activation checkpointing)
+CONFIGS = {"1f1b": ("1f1b", None, False), "2bw": ("2bw", None, False), "2bw+ef": ("2bw", 1.0, False), "2bw+ckpt": ("2bw", None, True)}
 MIB = 2**20
 
 
@@ -102,17 +105,34 @@ def build_model_stage(model_name: str, p: int, stage: int):
             seen.add(id(prm))
             named.append((n, prm))
     # A representative input of this stage: the previous stages' output on the first micro-batch.
-    return module, named, tied, [u for n, u in units if n in {x for s in range(stage) for x in names[s]}], model.config
+    return module, named, tied, [u for n, u in units if n in {x for s in range(stage) for x in names[s]}], model
 
 
-def activation_bytes(module: StageModule, x: torch.Tensor, targets: torch.Tensor, last: bool) -> int:
-    """Bytes saved for backward by one micro-batch forward of ``module`` (parameters excluded)."""
+def activation_bytes(
+    module: StageModule, x: torch.Tensor, targets: torch.Tensor, last: bool, context, recompute: bool = False
+) -> int:
+    """Bytes one micro-batch's forward of ``module`` keeps for its backward (parameters excluded).
+
+    Without ``recompute``: what autograd saves. With it (activation checkpointing): what autograd saves outside
+    the checkpointed units (the loss) plus each unit's input, which its checkpoint keeps for the recompute.
+    """
     if x.is_floating_point():
         x = x.detach().requires_grad_(True)
-    with SavedTensorBytes(module.parameters()) as counter:
-        y = module(x)
-        if last:
-            y = next_token_loss(y, targets)
+    real_checkpoint = runtime_module.checkpoint
+
+    def counting_checkpoint(fn, unit, weights, value, *args, **kwargs):
+        for leaf in flatten(value)[0]:
+            counter._pack(leaf)  # the checkpoint holds the unit's input until the recompute
+        return real_checkpoint(fn, unit, weights, value, *args, **kwargs)
+
+    runtime_module.checkpoint = counting_checkpoint
+    try:
+        with SavedTensorBytes(module.parameters()) as counter:
+            y = module(x, context=context, recompute=recompute)
+            if last:
+                y = next_token_loss(y, targets)
+    finally:
+        runtime_module.checkpoint = real_checkpoint
     del y
     return counter.total
 
@@ -120,8 +140,9 @@ def activation_bytes(module: StageModule, x: torch.Tensor, targets: torch.Tensor
 def measured_worker(cfg: dict) -> dict:
     rank, p = dist.get_rank(), cfg["p"]
     device = torch.device(cfg["device"], rank) if cfg["device"] == "cuda" else torch.device("cpu")
-    schedule, ef = CONFIGS[cfg["config"]]
-    module, named, tied, before, shape = build_model_stage(cfg["model"], p, rank)
+    schedule, ef, recompute = CONFIGS[cfg["config"]]
+    module, named, tied, before, model = build_model_stage(cfg["model"], p, rank)
+    shape, context_fn = model.config, model.pipeline_context
     module.to(device)
     g = torch.Generator().manual_seed(1)
     batches = [
@@ -133,7 +154,7 @@ def measured_worker(cfg: dict) -> dict:
         x = inputs
         for unit in before:
             x = unit.to(device)(x)
-    act = activation_bytes(module, x, targets, rank == p - 1)
+    act = activation_bytes(module, x, targets, rank == p - 1, context_fn(inputs), recompute)
     del x
     opt = build_optimizer("adamw", named, lr=1e-3, weight_decay=0.1)
     gc.collect()
@@ -148,6 +169,7 @@ def measured_worker(cfg: dict) -> dict:
         module, opt, schedule, cfg["m"], split_next_token, next_token_loss, groups,
         error_feedback=None if ef is None else ErrorFeedbackCorrection(ef),
         tied_parameters=tied, count_tied_in_norm=rank == 0, autocast=contextlib.nullcontext, device=device,
+        context_fn=context_fn, activation_checkpointing=recompute,
     )
     peak = {"inflight": 0, "grads": 0}
 
@@ -197,7 +219,7 @@ def measured(args) -> list[dict]:
     for config in args.configs:
         cfg = dict(model=args.model, p=args.p, m=args.m, micro_batch=args.micro_batch, seq_len=args.seq_len,
                    steps=args.steps, config=config, device=args.device)
-        schedule, _ = CONFIGS[config]
+        schedule, *_ = CONFIGS[config]
         sim = simulate(schedule, args.p, args.m, num_batches=max(args.steps, 3))
         ranks = spawn(args.p, cfg)
         for r in ranks:
@@ -206,7 +228,7 @@ def measured(args) -> list[dict]:
                 r["parameters"], r["optimizer_state"], r["activation_bytes_per_microbatch"],
                 inflight_sync=[sim.peak_inflight[s]], inflight_2bw=[sim.peak_inflight[s]],
             )
-            total_model = theory.sync if config == "1f1b" else theory.twobw if config == "2bw" else theory.twobw_ef
+            total_model = theory.sync if schedule == "1f1b" else theory.twobw_ef if config == "2bw+ef" else theory.twobw
             versions = 2 if schedule == "2bw" else 1
             accounted = (
                 r["weight_versions"] + r["optimizer_state"] + r["error_feedback"] + r["peak_gradient_bytes"]
@@ -282,6 +304,25 @@ def measured_table(rows: list[dict], cuda: bool) -> str:
     return "\n".join(lines)
 
 
+def checkpointing_table(rows: list[dict], tokens: int) -> str:
+    """In-flight activation bytes and throughput per stage, with (``2bw+ckpt``) and without (``2bw``) recompute."""
+    base = {r["stage"]: r for r in rows if r["config"] == "2bw"}
+    head = ("config", "stage", "in-flight µb", "act / µb MiB", "in-flight activations MiB", "vs 2bw", "tokens/s", "vs 2bw")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        if r["config"] not in ("2bw", "2bw+ckpt") or r["stage"] not in base:
+            continue
+        b = base[r["stage"]]
+        inflight = r["peak_inflight_microbatches"] * r["activation_bytes_per_microbatch"]
+        base_inflight = b["peak_inflight_microbatches"] * b["activation_bytes_per_microbatch"]
+        lines.append("| " + " | ".join([
+            r["config"], str(r["stage"]), str(r["peak_inflight_microbatches"]), _mib(r["activation_bytes_per_microbatch"]),
+            _mib(inflight), f"{inflight / base_inflight:.3f}", f"{tokens / r['seconds']:.0f}",
+            f"{b['seconds'] / r['seconds']:.3f}",
+        ]) + " |")
+    return "\n".join(lines)
+
+
 def analytic_table(rows: list[dict]) -> str:
     head = ("model", "p (m=2p)", "stage", "layers", "params M", "weights GiB", "AdamW GiB", "act / µb GiB",
             "in-flight", "1f1b GiB", "2bw GiB", "2bw+EF GiB", "2bw / 1f1b", "2bw+EF / 1f1b",
@@ -328,6 +369,11 @@ def main() -> None:
         print(f"\nMeasured: {args.model}, p={args.p}, m={args.m}, micro-batch {args.micro_batch} x {args.seq_len}, "
               f"AdamW, {args.steps} batches, device {args.device}\n")
         print(measured_table(rows, args.device == "cuda"))
+        if {"2bw", "2bw+ckpt"} <= set(args.configs):
+            tokens = args.steps * args.m * args.micro_batch * args.seq_len
+            print("\nActivation checkpointing (2BW, same run): activations kept for the micro-batches in flight, and "
+                  "throughput (tokens/s of the whole run per stage process)\n")
+            print(checkpointing_table(rows, tokens))
         if args.device == "cpu":
             print("\nCPU: the RSS column is a rough witness only (allocator caching); peak activation memory is "
                   "not measured reliably by RSS. Read the per-term columns.")

@@ -140,7 +140,8 @@ def _run_ours(work: Workload, name: str, groups, batches, warm: int, clock: Cloc
     rt._apply_update = clock.wrap("update", rt._apply_update)
     rt.transport.exchange = clock.wrap("p2p", rt.transport.exchange)
     rt.transport.receive = clock.wrap("p2p", rt.transport.receive)
-    rt.transport._exchange_header = clock.wrap("header", rt.transport._exchange_header)
+    rt.transport._send_header = clock.wrap("header", rt.transport._send_header)
+    rt.transport._receive_header = clock.wrap("header", rt.transport._receive_header)
     rt.collect_loss = clock.wrap("loss", rt.collect_loss)
     marks = []
     for b, batch in enumerate(batches):

@@ -1,22 +1,38 @@
 """The ``lightning-async`` command: LightningCLI (``fit``, ``validate``, ``test``) plus ``compare``,
-``study``, ``probe`` and ``simulate``.
+``study``, ``probe``, ``simulate``, ``recipes`` and ``export``.
 
-Recipes compose through repeated ``--config`` (later files win). The delay and the correction are
-config sections of their own (``delay:``, ``error_feedback:``), so mode recipes never have to
-replace the trainer's callback list.
+Recipes compose through repeated ``--config`` (later files win); a value that is not a file is the name of
+a shipped recipe (``--config quickstart --config optimizers/muon``, :mod:`lightning_async.recipes_index`).
+The delay and the correction are config sections of their own (``delay:``, ``error_feedback:``), so mode
+recipes never have to replace the trainer's callback list.
+
+The ``model`` section takes any LightningModule (``class_path`` + ``init_args``); without a
+``class_path`` it is :class:`~lightning_async.lm.CausalLM`, so ``model: {optimizer: muon}`` and
+``--model.lr 1e-3`` keep working. The model's ``vocab_size`` always comes from the data module.
+
+Mistakes in the command line or a recipe end with one ``error:`` line and exit code 2 (set
+``LIGHTNING_ASYNC_TRACEBACK=1`` for the traceback); a fit stopped by SIGTERM exits with 143.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
+import os
+import signal
 import sys
+from pathlib import Path
 
+import yaml
+from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 import lightning_async.strategies  # noqa: F401  (registers async_pipe / sync_pipe)
 from lightning_async.callbacks import DelaySimulation, ErrorFeedback, RunTelemetry
 from lightning_async.data import TextDataModule
 from lightning_async.lm import CausalLM
+from lightning_async.recipes_index import RecipeNotFound, resolve_config_args
 
 # subcommand -> (module, function); imported lazily so `fit` does not pay for matplotlib & co.
 TOOLS = {
@@ -24,9 +40,125 @@ TOOLS = {
     "study": ("lightning_async.study", "study_main"),
     "probe": ("lightning_async.probe", "probe_main"),
     "simulate": ("lightning_async.simulate", "simulate_main"),
+    "recipes": ("lightning_async.recipes_index", "recipes_main"),
+    "export": ("lightning_async.export", "export_main"),
 }
 
+EXIT_BAD_INPUT = 2
+EXIT_SIGTERM = 128 + signal.SIGTERM
+DEFAULT_MODEL = f"{CausalLM.__module__}.{CausalLM.__name__}"
+VOCAB_KEYS = ("model.vocab_size", "model.init_args.vocab_size")
 
+
+class CLIError(Exception):
+    """A mistake in the command line or a recipe: :func:`main` prints it as one ``error:`` line."""
+
+
+# ---- checks before parsing -------------------------------------------------------------------
+def config_paths(args: list[str]) -> list[str]:
+    """The files given with ``--config``/``-c`` (either ``--config PATH`` or ``--config=PATH``)."""
+    paths = []
+    for i, arg in enumerate(args):
+        if arg in ("--config", "-c") and i + 1 < len(args):
+            paths.append(args[i + 1])
+        elif arg.startswith("--config="):
+            paths.append(arg.split("=", 1)[1])
+    return paths
+
+
+def _vocab_message(where: str) -> str:
+    return (
+        f"{where} sets the model's vocab_size, which always comes from the data module (the tokenizer's "
+        "vocabulary, linked data.vocab_size -> model.vocab_size). Remove it; to give the model a larger "
+        "vocabulary than the tokenizer's, set --data.token_vocab_size N instead."
+    )
+
+
+def check_recipes(args: list[str]) -> None:
+    """Refuse recipe files that are not YAML mappings (naming the file) and any setting of the model's
+    ``vocab_size`` (it is linked from the data module; jsonargparse would fail with "int | None is not
+    callable" or drop the value silently)."""
+    for path in config_paths(args):
+        if not Path(path).is_file():
+            continue  # jsonargparse names a missing file itself
+        try:
+            with open(path) as stream:  # a stream, so that YAML errors name the file
+                recipe = yaml.safe_load(stream)
+        except yaml.YAMLError as err:
+            raise CLIError(f"recipe {path} is not valid YAML: {err}") from err
+        if recipe is not None and not isinstance(recipe, dict):
+            raise CLIError(f"recipe {path} must be a mapping of sections (trainer:, model:, data:, ...), "
+                           f"got a {type(recipe).__name__}")
+        model = (recipe or {}).get("model")
+        if isinstance(model, dict):
+            init_args = model.get("init_args") if isinstance(model.get("init_args"), dict) else {}
+            if model.get("vocab_size") is not None or init_args.get("vocab_size") is not None:
+                raise CLIError(_vocab_message(f"recipe {path}"))
+    for arg in args:
+        if arg.lstrip("-").split("=", 1)[0] in VOCAB_KEYS and arg.startswith("--"):
+            raise CLIError(_vocab_message(arg.split("=", 1)[0]))
+
+
+# ---- checks after instantiation -------------------------------------------------------------------
+def max_seq_len(model) -> int | None:
+    """The model's ``max_seq_len`` property (``None`` when it has none)."""
+    try:
+        return getattr(model, "max_seq_len", None)
+    except NotImplementedError:
+        return None
+
+
+def check_sequence_length(model, datamodule) -> None:
+    """Refuse windows longer than the model's position encoding is built for (it would train silently)."""
+    limit, seq_len = max_seq_len(model), getattr(datamodule, "seq_len", None)
+    if limit is not None and seq_len is not None and seq_len > limit:
+        longer = (f"--model.model_overrides '{{max_seq_len: {seq_len}}}'" if isinstance(model, CausalLM)
+                  else "a model configured for longer sequences")
+        raise CLIError(
+            f"data.seq_len = {seq_len} is longer than the model's maximum sequence length "
+            f"({type(model).__name__}.max_seq_len = {limit}). Lower --data.seq_len to at most {limit}, or use {longer}."
+        )
+
+
+def construct(class_type: type, *args, **kwargs):
+    """jsonargparse's default way to build a class from the config."""
+    return class_type(*args, **kwargs)
+
+
+class ConstructorErrors:
+    """Remembers the exceptions raised by the constructors jsonargparse calls, which it buries: a ``Union``
+    such as ``trainer.strategy`` or ``model`` reports "Does not validate against any of the Union
+    subtypes" and a Namespace dump instead of the constructor's message."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[type, Exception]] = []
+
+    def around(self, instantiator):
+        """``instantiator`` (jsonargparse's signature), recording what it raises."""
+        takes_links = "applied_instantiation_links" in inspect.signature(instantiator).parameters
+
+        def instantiate(class_type, *args, applied_instantiation_links=None, **kwargs):
+            if takes_links:
+                kwargs["applied_instantiation_links"] = applied_instantiation_links or {}
+            try:
+                return instantiator(class_type, *args, **kwargs)
+            except Exception as err:
+                self.seen.append((class_type, err))
+                raise
+
+        return instantiate
+
+    def cause(self, err: Exception) -> tuple[type | None, Exception]:
+        """The class whose constructor raised the exception behind ``err``, and that exception
+        (``None`` and ``err`` itself when no constructor did)."""
+        for class_type, cause in reversed(self.seen):
+            lines = str(cause).strip().splitlines()
+            if cause is err or (lines and lines[0] in str(err)):
+                return class_type, cause
+        return None, err
+
+
+# ---- the CLI --------------------------------------------------------------------------------------
 class AsyncCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_lightning_class_args(DelaySimulation, "delay")
@@ -34,14 +166,49 @@ class AsyncCLI(LightningCLI):
         parser.add_lightning_class_args(ErrorFeedback, "error_feedback")
         parser.set_defaults({"error_feedback.strength": 0.0})
         parser.add_lightning_class_args(RunTelemetry, "telemetry")
-        parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
+        parser.set_defaults({"model": {"class_path": DEFAULT_MODEL}})
+        parser.link_arguments("data.vocab_size", "model.init_args.vocab_size", apply_on="instantiate")
+
+    def parse_arguments(self, parser, args) -> None:
+        # `main` always passes the argument list (sys.argv[1:] by default), so LightningCLI's warning
+        # about `args` given together with sys.argv does not apply.
+        args = list(sys.argv[1:] if args is None else args)
+        try:
+            args = resolve_config_args(args)  # recipe names -> the shipped files
+        except RecipeNotFound as err:
+            raise CLIError(str(err)) from err
+        check_recipes(args)
+        self.config = parser.parse_args(args)
+
+    def _add_instantiators(self) -> None:
+        """LightningCLI's instantiators (model and data: they save the hyperparameters) and a default one
+        for every other class, all recording constructor errors. Relies on jsonargparse's
+        ``ArgumentParser._instantiators`` registry (4.53); tests/test_cli_errors.py fails if it changes."""
+        super()._add_instantiators()
+        self.constructor_errors = ConstructorErrors()
+        registry = getattr(self.parser, "_instantiators", None) or {}
+        for key, instantiator in list(registry.items()):
+            registry[key] = self.constructor_errors.around(instantiator)
+        self.parser.add_instantiator(self.constructor_errors.around(construct), object)
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except Exception as err:
+            class_type, cause = getattr(self, "constructor_errors", ConstructorErrors()).cause(err)
+            if os.environ.get("LIGHTNING_ASYNC_TRACEBACK"):
+                raise cause
+            raise CLIError(f"{class_type.__name__}: {cause}" if class_type else str(cause)) from cause
+
+    def after_instantiate_classes(self) -> None:
+        check_sequence_length(self.model, self.datamodule)
 
 
 def run_cli(args: list[str] | None = None) -> AsyncCLI:
     return AsyncCLI(
-        CausalLM,
+        LightningModule,  # any LightningModule; CausalLM when the config gives no class_path
         TextDataModule,
-        subclass_mode_model=False,
+        subclass_mode_model=True,
         subclass_mode_data=False,
         save_config_kwargs={"overwrite": True},
         args=args,
@@ -49,11 +216,22 @@ def run_cli(args: list[str] | None = None) -> AsyncCLI:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point: 0 done, 2 bad input (one ``error:`` line), 143 stopped by SIGTERM."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in TOOLS:
         module, function = TOOLS[argv[0]]
         return int(getattr(importlib.import_module(module), function)(argv[1:]) or 0)
-    run_cli(argv)
+    try:
+        cli = run_cli(argv)
+        stopped = cli.trainer.received_sigterm if hasattr(cli, "trainer") else False
+    except CLIError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except SIGTERMException:  # a SystemExit without a code: the process would exit 0
+        stopped = True
+    if stopped:
+        print("error: stopped by SIGTERM before the end of the run", file=sys.stderr)
+        return EXIT_SIGTERM
     return 0
 
 

@@ -1,11 +1,14 @@
-"""``CausalLM``: the LightningModule for causal-LM pretraining, and the first client of the pipeline.
+"""The LightningModules for causal-LM pretraining: :class:`CausalLM` (our SmolLM2-style decoder) and the
+training features every causal LM here shares (:class:`CausalLMTraining`; ``models.hf.HFCausalLM``
+builds on it too).
 
 Pipeline contract (what :class:`~lightning_async.strategies.AsyncPipelineStrategy` needs from any
-LightningModule; see ``docs/pipeline.md``):
+LightningModule; see ``docs/pipeline.md`` and ``docs/models.md``):
 
 * ``pipeline_units()`` -> ordered ``(name, module)`` pairs whose composition is the forward pass;
 * ``pipeline_split_batch(batch)`` -> ``(inputs, targets)``, both split along dim 0 into micro-batches;
 * ``pipeline_loss(outputs, targets)`` -> scalar mean loss of one micro-batch (on the last stage);
+* optionally ``pipeline_context(inputs)`` -> side inputs every stage computes itself (RoPE tables, masks);
 * optionally ``log_loss(split, loss, batch)`` to log the loss the pipeline computed.
 """
 
@@ -22,59 +25,36 @@ from lightning_async.optim import build_optimizer
 from lightning_async.optim.schedules import warmup_cosine
 
 
-class CausalLM(LightningModule):
-    """Next-token prediction on a SmolLM2-style decoder.
+class CausalLMTraining(LightningModule):
+    """Next-token training shared by the causal LMs: objective, loss/perplexity/tokens logging, the zoo's
+    optimizers with warmup + cosine, tokens seen in checkpoints.
 
-    Args:
-        model: named shape (``tiny``, ``small``, ``smollm2-135m``, ``smollm2-360m``).
-        vocab_size: set from the tokenizer (the CLI links it from the data module).
-        optimizer: a name from the zoo (:data:`lightning_async.optim.OPTIMIZER_NAMES`).
-        lr: peak learning rate (for the Muon family: of the matrices; see the optimizer recipes).
-        weight_decay: decoupled weight decay of the decayed groups.
-        optimizer_kwargs: extra arguments for the zoo (betas, momentum, a separate AdamW lr, ...).
-        warmup_fraction: share of steps with linear warmup (paper: 0.1).
-        min_lr_fraction: cosine decays to this fraction of the peak (paper: 0.1).
-        model_overrides: shape fields to change (e.g. ``{"num_layers": 2}``).
-        compile: ``torch.compile`` each block (and per stage under the pipeline).
+    A subclass calls ``super().__init__()`` then ``self.save_hyperparameters()``; its hyperparameters must
+    include ``optimizer``, ``lr``, ``weight_decay``, ``optimizer_kwargs``, ``warmup_fraction`` and
+    ``min_lr_fraction``. It defines ``forward(input_ids) -> logits``, ``pipeline_units()``,
+    ``max_seq_len`` and ``_depth_and_width()`` (layers, hidden size: for :meth:`flops_per_token`).
     """
 
-    def __init__(
-        self,
-        model: str = "tiny",
-        vocab_size: int | None = None,
-        optimizer: str = "adamw",
-        lr: float = 3e-3,
-        weight_decay: float = 0.1,
-        optimizer_kwargs: dict | None = None,
-        warmup_fraction: float = 0.1,
-        min_lr_fraction: float = 0.1,
-        model_overrides: dict | None = None,
-        compile: bool = False,
-    ) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.save_hyperparameters()
-        self.config = model_config(model, vocab_size=vocab_size, **(model_overrides or {}))
-        self.model = SmolLM2(self.config)
-        if compile:
-            for i, block in enumerate(self.model.blocks):
-                self.model.blocks[i] = torch.compile(block)
         # Losses reaching log_loss are already averaged over every rank (the pipeline reduces them),
         # so the metrics must not sync again.
         self.test_loss = MeanMetric(sync_on_compute=False)
         self.val_loss = MeanMetric(sync_on_compute=False)
         self.tokens_seen = 0
 
-    # ---- pipeline contract -------------------------------------------------------------------
-    def pipeline_units(self) -> list[tuple[str, nn.Module]]:
-        return [(f"model.{name}", module) for name, module in self.model.pipeline_units()]
-
     pipeline_split_batch = staticmethod(split_next_token)
     pipeline_loss = staticmethod(next_token_loss)
 
-    # ---- plain training ----------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids)
+    @property
+    def max_seq_len(self) -> int:
+        """The longest sequence the model's position encoding is built for."""
+        raise NotImplementedError
 
+    def _depth_and_width(self) -> tuple[int, int]:
+        raise NotImplementedError
+
+    # ---- plain training ----------------------------------------------------------------------
     def _loss(self, batch: torch.Tensor) -> torch.Tensor:
         inputs, targets = self.pipeline_split_batch(batch)
         return self.pipeline_loss(self(inputs), targets)
@@ -143,5 +123,62 @@ class CausalLM(LightningModule):
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6N for the weights plus 12 L H T for attention (PaLM's estimate)."""
-        cfg = self.config
-        return 6 * self.num_parameters() + 12 * cfg.num_layers * cfg.hidden_size * seq_len
+        layers, hidden = self._depth_and_width()
+        return 6 * self.num_parameters() + 12 * layers * hidden * seq_len
+
+
+class CausalLM(CausalLMTraining):
+    """Next-token prediction on a SmolLM2-style decoder.
+
+    Args:
+        model: named shape (``tiny``, ``small``, ``smollm2-135m``, ``smollm2-360m``).
+        vocab_size: set from the tokenizer (the CLI links it from the data module).
+        optimizer: a name from the zoo (:data:`lightning_async.optim.OPTIMIZER_NAMES`).
+        lr: peak learning rate (for the Muon family: of the matrices; see the optimizer recipes).
+        weight_decay: decoupled weight decay of the decayed groups.
+        optimizer_kwargs: extra arguments for the zoo (betas, momentum, a separate AdamW lr, ...).
+        warmup_fraction: share of steps with linear warmup (paper: 0.1).
+        min_lr_fraction: cosine decays to this fraction of the peak (paper: 0.1).
+        model_overrides: shape fields to change (e.g. ``{"num_layers": 2}``).
+        compile: ``torch.compile`` each block (and per stage under the pipeline).
+    """
+
+    def __init__(
+        self,
+        model: str = "tiny",
+        vocab_size: int | None = None,
+        optimizer: str = "adamw",
+        lr: float = 3e-3,
+        weight_decay: float = 0.1,
+        optimizer_kwargs: dict | None = None,
+        warmup_fraction: float = 0.1,
+        min_lr_fraction: float = 0.1,
+        model_overrides: dict | None = None,
+        compile: bool = False,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.config = model_config(model, vocab_size=vocab_size, **(model_overrides or {}))
+        self.model = SmolLM2(self.config)
+        if compile:
+            for i, block in enumerate(self.model.blocks):
+                self.model.blocks[i] = torch.compile(block)
+
+    # ---- pipeline contract -------------------------------------------------------------------
+    def pipeline_units(self) -> list[tuple[str, nn.Module]]:
+        return [(f"model.{name}", module) for name, module in self.model.pipeline_units()]
+
+    def pipeline_context(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The RoPE tables every block reads: computed once per stage and micro-batch, not once per block."""
+        return self.model.pipeline_context(input_ids)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids)
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.config.max_seq_len
+
+    def _depth_and_width(self) -> tuple[int, int]:
+        return self.config.num_layers, self.config.hidden_size
+

@@ -6,18 +6,24 @@ delayed+EF, with the same seed(s), then prints the gap table and a plain-languag
     lightning-async probe --config my_model.yaml --config my_data.yaml --steps 200 --seeds 3
 
 It is a small :mod:`lightning_async.study` (same runner, same skip/resume bookkeeping, runs under
-``<output>/runs``) read back with :mod:`lightning_async.compare`'s reader.
+``<output>/runs``) read back with :mod:`lightning_async.compare`'s reader. A recipe that trains with a
+pipeline strategy is refused: the delay is simulated on one device, and the pipeline would be the
+"sync" leg.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 from lightning_async.compare import ASYNC, SYNC, CompareError, Row, compare
+from lightning_async.recipes_index import RecipeNotFound, resolve_config
 from lightning_async.study import Runner, Study, StudyError, find_recipes_dir, parse_set, run_study
 
 PROBE_MODES = ["sync", "delayed", "delayed-ef"]
@@ -59,6 +65,10 @@ def verdict(row: Row) -> Verdict:
     spread = row.seed_spread
     gap, pct, recovered = row.gap, row.gap_pct, row.recovered
     if gap is None:
+        diverged = [c for c in (SYNC, ASYNC) if row.stat(c) is None and row.diverged_runs(c)]
+        if diverged:
+            return Verdict(f"cannot judge: the {' and '.join(diverged)} run diverged (non-finite loss); lower the "
+                           "learning rate or check the recipe", "none", None, None, None, seeds, spread)
         missing = ", ".join(c for c in (SYNC, ASYNC) if row.stat(c) is None)
         return Verdict(f"cannot judge: no finished {missing} run with a val/loss", "none", None, None, None, seeds, spread)
     sentences = []
@@ -131,16 +141,75 @@ def build_parser(prog: str = "lightning-async probe") -> argparse.ArgumentParser
     return parser
 
 
+def pipeline_strategy_name(value) -> str | None:
+    """The class name when ``value`` (a ``trainer.strategy`` setting: registered name, class path or
+    ``{class_path: ...}``) is a pipeline strategy, else ``None``."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_async.strategies import AsyncPipelineStrategy
+
+    if isinstance(value, dict):
+        value = value.get("class_path")
+    if not isinstance(value, str):
+        return None
+    if value in StrategyRegistry:
+        cls = StrategyRegistry[value]["strategy"]
+    else:
+        module, _, name = value.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module or "lightning_async.strategies"), name)
+        except (ImportError, AttributeError, ValueError):
+            return None
+    return cls.__name__ if isinstance(cls, type) and issubclass(cls, AsyncPipelineStrategy) else None
+
+
+def check_single_device(configs: list[str], overrides: list[str]) -> None:
+    """Refuse recipes (or ``--set``) whose final ``trainer.strategy`` is a pipeline: the probe simulates the
+    delay on one device, and its sync leg would otherwise run the pipeline."""
+    setting, where = None, None
+    for config in configs:
+        if Path(config).is_file():
+            try:
+                with open(config) as stream:  # a stream, so that YAML errors name the file
+                    recipe = yaml.safe_load(stream) or {}
+            except yaml.YAMLError as err:
+                raise StudyError(f"recipe {config} is not valid YAML: {err}") from err
+            trainer = recipe.get("trainer") if isinstance(recipe, dict) else None
+            if isinstance(trainer, dict) and "strategy" in trainer:
+                setting, where = trainer["strategy"], f"recipe {config}"
+    for override in overrides:
+        key, _, value = override.lstrip("-").partition("=")
+        if key == "trainer.strategy":
+            try:
+                setting = yaml.safe_load(value)
+            except yaml.YAMLError:
+                setting = value
+            where = f"--set {key}={value}"
+    name = pipeline_strategy_name(setting)
+    if name:
+        raise StudyError(
+            f"{where} trains with a pipeline strategy ({name}), but probe compares single-device runs (sync, "
+            "a simulated one-step delay, delay + EF) and would run the pipeline as its sync leg. Leave the "
+            "pipeline recipe out of --config, or add --set trainer.strategy=auto --set trainer.devices=1."
+        )
+
+
 def probe_study(args: argparse.Namespace) -> Study:
     if args.steps < 1:
         raise StudyError("--steps must be >= 1")
     if args.seeds < 1:
         raise StudyError("--seeds must be >= 1")
+    try:
+        args.config = [resolve_config(c) for c in args.config]  # shipped recipe names -> files
+    except RecipeNotFound as err:
+        raise StudyError(str(err)) from err
     stem = Path(args.config[-1]).stem
     output = Path(args.output) if args.output else Path("probes") / f"{stem}-{args.steps}steps"
     missing = [c for c in args.config if not Path(c).is_file()]
     if missing and not args.dry_run:
         raise StudyError(f"recipe file(s) not found: {', '.join(missing)}")
+    overrides = parse_set(args.set)
+    check_single_device(args.config, overrides)
     return Study(
         name=f"probe-{stem}",
         base=list(args.config),
@@ -149,7 +218,7 @@ def probe_study(args: argparse.Namespace) -> Study:
         seeds=list(range(args.seed, args.seed + args.seeds)),
         max_steps=args.steps,
         output=output,
-        overrides=parse_set(args.set),
+        overrides=overrides,
         ef_strengths=[args.ef_strength] if args.ef_strength is not None else None,
         recipes_dir=find_recipes_dir(),
     )

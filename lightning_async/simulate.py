@@ -9,12 +9,16 @@ Stage costs are either given (``--forward-ms/--backward-ms`` per stage and micro
 measured on the current device from a model config (``--model smollm2-135m --seq-len 2048``): one decoder block,
 the embedding and the LM head (with the loss) are timed forward and backward, the layers are split evenly over
 the stages (the first stage also holds the embedding, the last the head), and parameter and activation bytes are
-counted.
+counted. With ``--tflops`` (and with no option at all: SmolLM2-135M, sequence 2048, bf16, 100 TFLOP/s) the
+stage costs are nominal instead: FLOP counts at that sustained rate, parameters counted exactly, activations
+estimated, nothing measured.
 
 Usage::
 
-    python -m lightning_async.simulate --forward-ms 10 --backward-ms 20
-    python -m lightning_async.simulate --model smollm2-135m --seq-len 2048 --device cpu --json plan.json
+    lightning-async simulate
+    lightning-async simulate --forward-ms 10 --backward-ms 20
+    lightning-async simulate --model smollm2-360m --tflops 300 --seq-len 4096
+    lightning-async simulate --model smollm2-135m --seq-len 2048 --device cpu --json plans/plan.json
 """
 
 from __future__ import annotations
@@ -24,11 +28,14 @@ import json
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from lightning_async.pipeline.simulator import memory_model, simulate
 
 DEFAULT_STAGES = (4, 8, 16, 32, 64)
 DEFAULT_MULTIPLIERS = (1, 2, 4)
+#: the plan printed when no stage costs are given
+NOMINAL_MODEL, NOMINAL_TFLOPS, NOMINAL_DTYPE = "smollm2-135m", 100.0, "bfloat16"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,13 +54,24 @@ def build_parser() -> argparse.ArgumentParser:
     given.add_argument("--backward-ms", type=float, help="backward time of one stage (default 2x forward)")
     given.add_argument("--comm-ms", type=float, default=0.0, help="latency of one hop (activation or gradient)")
     given.add_argument("--update-ms", type=float, default=0.0, help="optimizer step of one stage")
-    meas = ap.add_argument_group("measured stage costs")
-    meas.add_argument("--model", help="model config name (lightning_async.models.MODEL_CONFIGS), e.g. smollm2-135m")
+    meas = ap.add_argument_group("measured (or, with --tflops, nominal) stage costs of a model")
+    meas.add_argument(
+        "--model", help=f"model config name (lightning_async.models.MODEL_CONFIGS), e.g. smollm2-135m (default with "
+        f"--tflops or no cost option: {NOMINAL_MODEL})",
+    )
+    meas.add_argument(
+        "--tflops", type=float,
+        help="nominal costs instead of a measurement: FLOP counts at this sustained TFLOP/s per stage, activations "
+        f"estimated (default when no cost option is given: {NOMINAL_TFLOPS:g})",
+    )
     meas.add_argument("--seq-len", type=int, default=2048)
     meas.add_argument("--micro-batch-size", type=int, default=1)
     meas.add_argument("--vocab-size", type=int, help="override the config's vocabulary size")
     meas.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
-    meas.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    meas.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"],
+        help=f"default: float32 when measured, {NOMINAL_DTYPE} when nominal",
+    )
     meas.add_argument("--reps", type=int, default=3, help="timed repetitions per unit after one warm-up (fastest kept)")
     meas.add_argument(
         "--head-tokens", type=int,
@@ -228,6 +246,63 @@ def measure_model(
     }
 
 
+def nominal_model(
+    name: str,
+    seq_len: int,
+    micro_batch_size: int = 1,
+    dtype: str = NOMINAL_DTYPE,
+    tflops: float = NOMINAL_TFLOPS,
+    vocab_size: int | None = None,
+) -> dict:
+    """Nominal costs of ``name`` in :func:`measure_model`'s format, with nothing run.
+
+    Parameters are counted exactly (the model is built on the meta device). Forward time is FLOPs at ``tflops``
+    sustained: ``2 x parameters`` per token plus ``4 x seq_len x hidden`` of attention per token and block (the
+    PaLM count ``CausalLM.flops_per_token`` uses), the embedding is free; backward is twice the forward.
+    Activation bytes are an estimate of what one block saves for backward: per token, 9 hidden-sized, 4
+    key/value-sized and 4 FFN-sized tensors (norm inputs and outputs, q/k/v and their rotations, attention
+    output, gate/up/SiLU/product); the head saves its input, the logits and their fp32 log-probabilities.
+    """
+    import torch
+
+    from lightning_async.models import SmolLM2, model_config
+
+    if tflops <= 0:
+        raise ValueError(f"--tflops must be > 0, got {tflops:g}")
+    cfg = model_config(name, vocab_size=vocab_size)
+    with torch.device("meta"):
+        model = SmolLM2(cfg)
+    elem = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    tokens, h, v = micro_batch_size * seq_len, cfg.hidden_size, cfg.vocab_size
+    kv = cfg.num_kv_heads * cfg.head_dim
+    flops = {"embed": 0.0}
+    params = {unit: sum(p.numel() for p in module.parameters())
+              for unit, module in (("embed", model.embed), ("block", model.blocks[0]), ("head", model.head))}
+    flops["block"] = tokens * (2 * params["block"] + 4 * seq_len * h)
+    flops["head"] = tokens * 2 * params["head"]
+    activations = {
+        "embed": tokens * 8,  # the token ids
+        "block": tokens * (9 * h + 4 * kv + 4 * cfg.ffn_size) * elem,
+        "head": tokens * (h * elem + (elem + 4) * v),
+    }
+    units = {
+        unit: {
+            "forward_s": flops[unit] / (tflops * 1e12),
+            "backward_s": 2 * flops[unit] / (tflops * 1e12),
+            "params": params[unit],
+            "param_bytes": params[unit] * elem,
+            "activation_bytes": activations[unit],
+        }
+        for unit in ("embed", "block", "head")
+    }
+    return {
+        "model": name, "num_layers": cfg.num_layers, "hidden_size": h, "vocab_size": v, "seq_len": seq_len,
+        "micro_batch_size": micro_batch_size, "device": "nominal", "device_name": f"nominal {tflops:g} TFLOP/s",
+        "tflops": tflops, "dtype": dtype, "head_tokens": seq_len, "units": units,
+        "boundary_bytes": tokens * h * elem, "element_bytes": elem,
+    }
+
+
 def split_layers(num_layers: int, p: int) -> list[int]:
     """Layers per stage, as even as possible. Extra layers go to the middle stages first, then the first stage,
     then the last (the first holds the embedding, the last the LM head)."""
@@ -394,21 +469,80 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def argument_error(args: argparse.Namespace) -> str | None:
+    """The first problem with ``args`` as a message naming the option, ``None`` when there is none."""
+    if args.forward_ms is not None and (args.model is not None or args.tflops is not None):
+        return "give either --forward-ms (and optionally --backward-ms) or --model/--tflops, not both"
+    if args.forward_ms is None and args.backward_ms is not None:
+        return "--backward-ms needs --forward-ms"
+    checks = [
+        (name, value, "> 0", value is None or value > 0)
+        for name, value in (("--forward-ms", args.forward_ms), ("--tflops", args.tflops),
+                            ("--link-gbps", args.link_gbps))
+    ] + [
+        (name, value, ">= 0", value is None or value >= 0)
+        for name, value in (("--backward-ms", args.backward_ms), ("--comm-ms", args.comm_ms),
+                            ("--update-ms", args.update_ms), ("--optimizer-states", args.optimizer_states))
+    ] + [
+        (name, value, ">= 1", value is None or value >= 1)
+        for name, value in (("--stages", min(args.stages)), ("--microbatches", min(args.microbatches)),
+                            ("--batches", args.batches), ("--seq-len", args.seq_len),
+                            ("--micro-batch-size", args.micro_batch_size), ("--head-tokens", args.head_tokens))
+    ]
+    for name, value, rule, ok in checks:
+        if not ok:  # also catches nan
+            return f"{name} must be {rule}, got {value:g}"
+    if args.json_path and Path(args.json_path).is_dir():
+        return f"--json {args.json_path} is a directory; give a file name, e.g. {Path(args.json_path) / 'plan.json'}"
+    return None
+
+
+def _model_costs(args: argparse.Namespace) -> dict:
+    """Unit costs of ``--model``: measured, or nominal with ``--tflops`` or when no cost option was given."""
+    nominal = args.tflops is not None or args.model is None
+    name = args.model or NOMINAL_MODEL
+    if nominal:
+        dtype = args.dtype or NOMINAL_DTYPE
+        tflops = args.tflops or NOMINAL_TFLOPS
+        meas = nominal_model(name, args.seq_len, args.micro_batch_size, dtype, tflops, args.vocab_size)
+        print(
+            f"nominal costs, nothing measured: {name}, seq {meas['seq_len']} x micro-batch {meas['micro_batch_size']}, "
+            f"{dtype}, FLOP counts at {meas['tflops']:g} TFLOP/s per stage, activations estimated"
+        )
+        if args.model is None:
+            print("  (measure on your hardware: --model smollm2-135m --device cuda --dtype bfloat16; or give "
+                  "--forward-ms/--backward-ms; --help lists the options)")
+        return meas
+    meas = measure_model(
+        name, args.seq_len, args.micro_batch_size, args.device, args.dtype or "float32", max(args.reps, 1),
+        args.head_tokens, args.vocab_size,
+    )
+    print(
+        f"measured on {meas['device_name']} ({meas['threads']} threads, {meas['dtype']}): {name}, "
+        f"seq {meas['seq_len']} x micro-batch {meas['micro_batch_size']}, fastest of {meas['reps']}"
+    )
+    return meas
+
+
 def simulate_main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``lightning-async simulate``: 0 table printed, 2 bad input (one ``error:`` line)."""
     args = build_parser().parse_args(argv)
-    if (args.model is None) == (args.forward_ms is None):
-        print("error: give either --forward-ms (and optionally --backward-ms) or --model", file=sys.stderr)
+    problem = argument_error(args)
+    if problem is None and args.json_path:
+        try:
+            Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            problem = f"--json {args.json_path}: cannot create its directory ({err})"
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     stages = sorted(set(args.stages))
-    if any(p < 1 for p in stages) or any(k < 1 for k in args.microbatches):
-        print("error: --stages and --microbatches must be >= 1", file=sys.stderr)
-        return 2
     update_s = args.update_ms / 1e3
+    comm_s = args.comm_ms / 1e3
     meas, stage_costs = None, {}
-    if args.model is None:
+    if args.forward_ms is not None:
         tf = args.forward_ms / 1e3
         tb = (args.backward_ms if args.backward_ms is not None else 2 * args.forward_ms) / 1e3
-        comm_s = args.comm_ms / 1e3
 
         def costs_for_p(p):
             return {"forward_s": [tf] * p, "backward_s": [tb] * p}
@@ -416,21 +550,13 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
         print(f"stage costs (given): forward {_fmt_time(tf)}, backward {_fmt_time(tb)}, hop {_fmt_time(comm_s)}")
     else:
         try:
-            meas = measure_model(
-                args.model, args.seq_len, args.micro_batch_size, args.device, args.dtype, max(args.reps, 1),
-                args.head_tokens, args.vocab_size,
-            )
+            meas = _model_costs(args)
         except ValueError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
-        comm_s = args.comm_ms / 1e3
         if args.link_gbps:
             comm_s = meas["boundary_bytes"] / (args.link_gbps * 1e9 / 8)
         u = meas["units"]
-        print(
-            f"measured on {meas['device_name']} ({meas['threads']} threads, {meas['dtype']}): {args.model}, "
-            f"seq {meas['seq_len']} x micro-batch {meas['micro_batch_size']}, fastest of {meas['reps']}"
-        )
         for unit in ("embed", "block", "head"):
             d = u[unit]
             print(
@@ -467,6 +593,7 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
         }
         with open(args.json_path, "w") as f:
             json.dump(payload, f, indent=2)
+        print(f"wrote {args.json_path}")
     return 0
 
 

@@ -3,8 +3,8 @@
 A study YAML (see ``recipes/study/*.yaml`` and ``docs/compare.md``)::
 
     name: quickstart                     # default: the file's stem
-    base: [recipes/quickstart.yaml]      # recipes every run starts from (later ones win)
-    optimizers: [adamw, muon]            # each adds recipes/optimizers/<name>.yaml if it exists
+    base: [quickstart]                   # recipes every run starts from (later ones win): names or paths
+    optimizers: [adamw, muon]            # each adds the recipe optimizers/<name> if it exists
     modes: [sync, delayed, delayed-ef]   # sync | delayed | delayed-ef | async_pipe | sync_pipe
     lrs: {adamw: [1e-3, 3e-3]}           # optional: a number, a list, or per optimizer
     seeds: [0, 1]                        # a list, or an int N meaning 0..N-1 (default [0])
@@ -16,9 +16,16 @@ A study YAML (see ``recipes/study/*.yaml`` and ``docs/compare.md``)::
 
 Runs go to ``<output>/runs/<run name>/`` (run name ``{optimizer}-{mode}-lr{lr}-s{seed}``, the lr part
 only when ``lrs`` is given), the log of each run to ``<output>/logs/<run name>.log``, the report to
-``<output>/compare/``. A run whose dir holds ``DONE`` is skipped; a dir without ``DONE`` is a
-half-finished run: it is removed and the run starts over. So rerunning the same command after an
-interruption resumes the study.
+``<output>/compare/``. A run whose dir holds ``DONE`` is skipped, and so is one that diverged
+(``DIVERGED``, or non-finite loss curves: a result, reported as such, not retried); a dir without
+either is a half-finished run: it is removed and the run starts over. So rerunning the same command
+after an interruption resumes the study.
+
+While a run trains, ``<output>/runs/<run name>.lock`` holds the pids of the study and of the training
+process: a second study on the same output refuses to start while either is alive (and so never
+deletes a directory that is still being written), and takes over a lock whose processes are gone.
+SIGTERM (or Ctrl-C) stops the study: the signal is passed on to the training's process group, the
+study waits for it to end (``STOP_GRACE_S``, then SIGKILL) and exits with 128 + the signal number.
 
 The function that executes one run is injectable (``run_study(..., runner=...)``): the default
 launches ``lightning-async fit ...`` as a subprocess; tests pass a function that writes a fake run.
@@ -31,15 +38,22 @@ import json
 import os
 import shlex
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from lightning_async.compare.divergence import DIVERGED_FILE, DONE_FILE, find_divergence, write_marker
+from lightning_async.recipes_index import find_recipe, recipes_root
 
 #: The seven optimizers of the paper's comparison, always accepted.
 KNOWN_OPTIMIZERS = ("adamw", "muon", "normuon", "adan", "soap", "lion", "mars")
@@ -60,7 +74,8 @@ STUDY_KEYS = (
 DEFAULT_EF_STRENGTH_KEY = "error_feedback.strength"
 DEFAULT_DELAY_KEY = "delay.delay"
 COMMAND_FILE = "STUDY_COMMAND.json"  # written into a finished run dir: the args that produced it
-REPO_ROOT = Path(__file__).resolve().parents[1]
+LOCK_SUFFIX = ".lock"  # <runs dir>/<run name>.lock while the run trains
+STOP_GRACE_S = 30.0  # how long a stopped study waits for its run to end before SIGKILL
 
 
 def validation_interval(max_steps: int, evaluations: int = 5) -> int:
@@ -90,20 +105,24 @@ def valid_optimizers(recipes_dir: Path | None = None) -> list[str]:
     return sorted(names)
 
 
-def find_recipes_dir() -> Path | None:
-    """``./recipes`` if present, else the repository's ``recipes/`` next to the package."""
-    for candidate in (Path("recipes"), REPO_ROOT / "recipes"):
-        if candidate.is_dir():
-            return candidate
-    return None
+def find_recipes_dir() -> Path:
+    """The shipped recipes (:func:`~lightning_async.recipes_index.recipes_root`), relative to the current
+    directory when they are below it (``recipes`` in the repository root), so commands stay short."""
+    root = recipes_root()
+    try:
+        return root.relative_to(Path.cwd())
+    except ValueError:
+        return root
 
 
 def default_launcher() -> list[str]:
-    """``lightning-async`` when the console script is installed, else ``python -m lightning_async.cli``."""
-    exe = shutil.which("lightning-async")
-    if exe:
-        return ["lightning-async"]
-    return [sys.executable, "-m", "lightning_async.cli"]
+    """This environment's ``lightning-async`` (by name when it is also the one on the PATH, else by its path:
+    runs never use another installation's), or ``python -m lightning_async.cli`` when it has none."""
+    mine = Path(sys.executable).with_name("lightning-async")
+    if not mine.is_file():
+        return [sys.executable, "-m", "lightning_async.cli"]
+    on_path = shutil.which("lightning-async")
+    return ["lightning-async"] if on_path and Path(on_path).samefile(mine) else [str(mine)]
 
 
 def _fmt_lr(lr: float) -> str:
@@ -145,7 +164,21 @@ class RunSpec:
     @property
     def done(self) -> bool:
         """Finished (``DONE``) by this very command (a run finished with other arguments is not done)."""
-        return (self.run_dir / "DONE").exists() and not self.stale
+        return (self.run_dir / DONE_FILE).exists() and not self.stale
+
+    @property
+    def diverged(self) -> bool:
+        """Holds a ``DIVERGED`` marker (from the guard, or written by the study from the loss curves)."""
+        return (self.run_dir / DIVERGED_FILE).exists() and not self.stale
+
+    @property
+    def finished(self) -> bool:
+        """Has a result from this very command: done or diverged (neither is run again)."""
+        return self.done or self.diverged
+
+    @property
+    def lock_path(self) -> Path:
+        return self.run_dir.with_name(self.run_dir.name + LOCK_SUFFIX)
 
     @property
     def train_args(self) -> list[str]:
@@ -172,6 +205,166 @@ class RunSpec:
 
 
 Runner = Callable[[RunSpec], int]
+
+
+# ---- run locks ----------------------------------------------------------------------------------
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this machine (a zombie counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+class RunInProgress(StudyError):
+    """A run of the study is still being trained by another process (its lock is held)."""
+
+
+@dataclass
+class RunLock:
+    """``<run name>.lock``: JSON with the study's ``pid``, the training's ``child_pid``, ``host``, ``since``.
+
+    Held while a run trains. A lock is *live* while any of its pids is alive (or when it was taken on
+    another host, which cannot be checked from here); a lock whose processes are all gone is *stale*
+    and may be taken over.
+    """
+
+    path: Path
+    run: str
+
+    def read(self) -> dict[str, Any] | None:
+        try:
+            data = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    @staticmethod
+    def pids(info: dict[str, Any]) -> list[int]:
+        return [int(info[k]) for k in ("pid", "child_pid") if isinstance(info.get(k), int)]
+
+    def is_live(self, info: dict[str, Any]) -> bool:
+        if info.get("host", socket.gethostname()) != socket.gethostname():
+            return True
+        if not info:  # unreadable: maybe being written this instant by another study
+            try:
+                return time.time() - self.path.stat().st_mtime < 10
+            except OSError:
+                return False
+        return any(pid_alive(pid) for pid in self.pids(info))
+
+    def holder(self, info: dict[str, Any]) -> str:
+        pids = " and ".join(f"{k.replace('_', ' ')} {info[k]}" for k in ("pid", "child_pid") if k in info) or "no pid"
+        host = info.get("host", "?")
+        where = "" if host == socket.gethostname() else f" on host {host} (cannot be checked from here)"
+        return f"{pids}{where}, since {info.get('since', '?')}"
+
+    def check(self, say: Callable[[str], None]) -> None:
+        """Raise :class:`RunInProgress` if the lock is live; remove it (with a message) if stale."""
+        info = self.read()
+        if info is None:
+            return
+        if self.is_live(info):
+            here = info.get("host", socket.gethostname()) == socket.gethostname()
+            running = [p for p in self.pids(info) if pid_alive(p)] if here else self.pids(info)
+            raise RunInProgress(
+                f"run {self.run} is still in progress ({self.holder(info)}; lock {self.path}). Wait for it to "
+                f"end or stop it (kill {' '.join(map(str, running)) or '<pid>'}), then rerun; delete the "
+                "lock by hand only if no such process runs"
+            )
+        say(f"taking over the stale lock {self.path} of run {self.run} ({self.holder(info)}: no such process now)")
+        self.path.unlink(missing_ok=True)
+
+    def acquire(self, say: Callable[[str], None]) -> None:
+        """Create the lock for this process (atomically); a stale one is taken over, a live one refused."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                self.check(say)
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(self._info(), f)
+            return
+        raise RunInProgress(f"run {self.run}: could not take the lock {self.path} (another study keeps taking it)")
+
+    def set_child(self, pid: int) -> None:
+        """Record the training process, so that a later study sees it even if this one is killed."""
+        info = self.read()
+        if info is not None and info.get("pid") == os.getpid():
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text(json.dumps({**info, "child_pid": pid}))
+            os.replace(tmp, self.path)
+
+    def release(self) -> None:
+        info = self.read()
+        if info is not None and info.get("pid") == os.getpid():
+            self.path.unlink(missing_ok=True)
+
+    def _info(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "host": socket.gethostname(), "run": self.run,
+                "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def run_lock(spec: RunSpec) -> RunLock:
+    return RunLock(spec.lock_path, spec.name)
+
+
+# ---- stopping ----------------------------------------------------------------------------------
+class StudyTerminated(KeyboardInterrupt):
+    """The study received ``signum`` (SIGTERM): handled like Ctrl-C, the exit status is 128 + ``signum``."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"received {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+@contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """Within the block, SIGTERM raises :class:`StudyTerminated` (main thread only; else a no-op)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise StudyTerminated(signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _signal_group(proc: subprocess.Popen, signum: int) -> None:
+    try:
+        os.killpg(proc.pid, signum)  # the run's own process group: the CLI and any ranks it started
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def stop_run(proc: subprocess.Popen, signum: int, grace: float, say: Callable[[str], None]) -> int:
+    """Pass ``signum`` on to the run's process group and wait for it; SIGKILL after ``grace`` seconds
+    or at a second interrupt. Returns the run's exit status."""
+    _signal_group(proc, signum)
+    try:
+        return proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        say(f"the run did not stop within {grace:g}s of {signal.Signals(signum).name}; killing it")
+    except KeyboardInterrupt:
+        say("interrupted again: killing the run")
+    _signal_group(proc, signal.SIGKILL)
+    return proc.wait()
 
 
 @dataclass
@@ -315,15 +508,16 @@ def _floats(values: Any, what: str) -> list[float]:
     return out
 
 
-def _resolve_file(raw: str, study_dir: Path | None) -> str:
-    """A recipe path as given if it exists (relative to the cwd), else next to the study file or the repo."""
+def _resolve_file(raw: str, study_dir: Path | None, recipes_dir: Path | None = None) -> str:
+    """A recipe path as given if it exists (relative to the cwd), else next to the study file, else the
+    shipped recipe of that name (``quickstart`` or ``recipes/quickstart.yaml``); unchanged if none exists."""
     path = Path(raw).expanduser()
     if path.is_absolute() or path.exists():
         return str(path)
-    for root in [study_dir, REPO_ROOT]:
-        if root is not None and (root / path).exists():
-            return str(root / path)
-    return str(path)
+    if study_dir is not None and (study_dir / path).exists():
+        return str(study_dir / path)
+    found = find_recipe(raw, recipes_dir)
+    return str(found) if found is not None else str(path)
 
 
 def _overrides(value: Any, what: str = "overrides") -> list[str]:
@@ -422,7 +616,7 @@ def study_from_dict(
         if any(d < 1 for d in delays):
             raise StudyError(f"study {name}: delays must be >= 1 (sync covers delay 0)")
 
-    base = [_resolve_file(str(b), study_dir) for b in _as_list(data.get("base"), "base")]
+    base = [_resolve_file(str(b), study_dir, recipes_dir) for b in _as_list(data.get("base"), "base")]
     launcher = data.get("launcher")
     if launcher is not None:
         launcher = shlex.split(launcher) if isinstance(launcher, str) else [str(x) for x in launcher]
@@ -446,10 +640,22 @@ def study_from_dict(
     )
 
 
+def find_study_file(raw: str | os.PathLike, recipes_dir: Path | None = None) -> Path:
+    """The study file ``raw``: a path, else a shipped study by name (``quickstart``, ``study/quickstart`` or
+    ``recipes/study/quickstart.yaml``)."""
+    path = Path(raw).expanduser()
+    if path.is_file():
+        return path
+    found = find_recipe(f"study/{raw}", recipes_dir) or find_recipe(str(raw), recipes_dir)
+    if found is None:
+        raise StudyError(f"study file {raw} not found, and no shipped study of that name "
+                         "(`lightning-async recipes` lists them under study/)")
+    return found
+
+
 def load_study(path: str | os.PathLike, *, recipes_dir: Path | None = None) -> Study:
-    path = Path(path)
-    if not path.is_file():
-        raise StudyError(f"study file {path} not found (see recipes/study/*.yaml)")
+    """The study of the file (or shipped study name) ``path``; recipes it names resolve next to it or by name."""
+    path = find_study_file(path, recipes_dir)
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
@@ -458,27 +664,41 @@ def load_study(path: str | os.PathLike, *, recipes_dir: Path | None = None) -> S
 
 
 # ---- running ----------------------------------------------------------------------------------
-def subprocess_runner(spec: RunSpec, *, verbose: bool = False) -> int:
-    """Run one training as a subprocess; its output goes to ``spec.log_path`` (and the terminal if verbose)."""
+def _copy_lines(stream, log) -> None:
+    for line in stream:
+        log.write(line)
+
+
+def subprocess_runner(spec: RunSpec, *, verbose: bool = False, grace: float | None = None) -> int:
+    """Run one training as a subprocess; its output goes to ``spec.log_path`` (and the terminal if verbose).
+
+    The training runs in its own process group and its pid goes into the run's lock. When the study is
+    interrupted (Ctrl-C, or SIGTERM under :func:`terminate_as_interrupt`) the same signal is passed on
+    to that group and the study waits for the run to end (:func:`stop_run`) before re-raising.
+    """
     spec.log_path.parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     with open(spec.log_path, "w") as log:
         log.write("$ " + spec.shell() + "\n\n")
         log.flush()
-        proc = subprocess.Popen(spec.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+        proc = subprocess.Popen(spec.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
+                                start_new_session=True)
         try:
+            run_lock(spec).set_child(proc.pid)
             assert proc.stdout is not None
             for line in proc.stdout:
                 log.write(line)
                 if verbose:
                     sys.stdout.write(line)
             return proc.wait()
-        except BaseException:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        except BaseException as stop:
+            signum = getattr(stop, "signum", signal.SIGINT) if isinstance(stop, KeyboardInterrupt) else signal.SIGTERM
+            drain = threading.Thread(target=_copy_lines, args=(proc.stdout, log), daemon=True)
+            drain.start()  # keep the pipe flowing while the run shuts down
+            rc = stop_run(proc, signum, STOP_GRACE_S if grace is None else grace,
+                          lambda m: print(f"study: {spec.name}: {m}", file=sys.stderr, flush=True))
+            drain.join(timeout=5)
+            log.write(f"\n(stopped by the study: {signal.Signals(signum).name}; exit {rc})\n")
             raise
 
 
@@ -522,12 +742,47 @@ class StudyResult:
     ran: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
+    diverged: list[str] = field(default_factory=list)
     compare_result: Any = None
     compare_error: str | None = None
 
     @property
     def ok(self) -> bool:
         return not self.failed and self.compare_error is None
+
+
+def run_state(spec: RunSpec) -> str:
+    """What a (re)run of the study will do with ``spec``, as the dry run and the skip lines say it."""
+    if spec.diverged:
+        return "diverged, skip"
+    if spec.done:
+        return "done, skip"
+    lock = run_lock(spec)
+    info = lock.read()
+    if info is not None and lock.is_live(info):
+        return f"in progress: {lock.holder(info)}"
+    if spec.stale:
+        return "stale, rerun"
+    return "partial, restart" if spec.run_dir.exists() else "todo"
+
+
+def run_outcome(spec: RunSpec, rc: int) -> tuple[str, str]:
+    """``(kind, status line)`` of a run that just ended; kind is ``ok``, ``diverged`` or ``failed``.
+
+    A run diverged when the guard left its ``DIVERGED`` marker (it then exits non-zero by default) or
+    when its loss curves hold a non-finite value (a run made without the guard: the marker is written
+    here, so that reruns and ``compare`` see it without reading the curves again).
+    """
+    divergence = find_divergence(spec.run_dir) if spec.run_dir.is_dir() else None
+    if divergence is not None:
+        if not (spec.run_dir / DIVERGED_FILE).exists():
+            write_marker(spec.run_dir, divergence)
+        return "diverged", f"DIVERGED {divergence.where()}" + (f", exit {rc}" if rc else "")
+    if rc != 0:
+        return "failed", f"FAILED (exit {rc})"
+    if not (spec.run_dir / DONE_FILE).exists():
+        return "failed", "FAILED (exited 0 but wrote no DONE file)"
+    return "ok", "ok"
 
 
 def run_study(
@@ -545,8 +800,10 @@ def run_study(
     """Run every missing run of ``study`` in order, then ``compare`` the runs dir.
 
     ``runner(spec) -> exit status`` executes one run (default: :func:`subprocess_runner`).
-    Finished runs (``DONE`` present) are skipped; half-finished run dirs are removed first.
-    ``KeyboardInterrupt`` propagates after a note on how to resume.
+    Finished runs (``DONE``) and diverged ones are skipped; half-finished run dirs are removed first.
+    Raises :class:`RunInProgress` before touching anything if another process still trains one of the
+    runs (see :class:`RunLock`). ``KeyboardInterrupt`` (and :class:`StudyTerminated`, for SIGTERM)
+    propagates after the current run stopped and a note on how to resume.
     """
     specs = study.expand()
     result = StudyResult(specs=specs)
@@ -554,9 +811,7 @@ def run_study(
     if dry_run:
         print_fn(f"study {study.name}: {total} runs -> {study.output}")
         for i, spec in enumerate(specs, 1):
-            state = "done, skip" if spec.done else (
-                "stale, rerun" if spec.stale else ("partial, restart" if spec.run_dir.exists() else "todo"))
-            print_fn(f"[{i}/{total}] {spec.name} ({state})\n  {spec.shell()}")
+            print_fn(f"[{i}/{total}] {spec.name} ({run_state(spec)})\n  {spec.shell()}")
         missing = study.missing_files()
         if missing:
             print_fn("warning: recipe files not found (yet): " + ", ".join(missing))
@@ -564,84 +819,107 @@ def run_study(
     if runner is None:
         missing = study.missing_files()
         if missing:
-            raise StudyError("recipe files not found: " + ", ".join(missing) + " (run from the repository root?)")
+            raise StudyError("recipe files not found: " + ", ".join(missing) + " (give paths that exist, or "
+                             "names of shipped recipes: `lightning-async recipes` lists them)")
 
         def runner(spec: RunSpec) -> int:
             return subprocess_runner(spec, verbose=verbose)
 
+    for spec in specs:  # before anything is removed: a run still training elsewhere stops the study here
+        run_lock(spec).check(print_fn)
     study.runs_dir.mkdir(parents=True, exist_ok=True)
-    todo = [s for s in specs if not s.done]
+    todo = [s for s in specs if not s.finished]
     print_fn(f"study {study.name}: {total} runs, {total - len(todo)} already done, {len(todo)} to run -> {study.output}")
+    with terminate_as_interrupt():
+        _run_matrix(specs, runner, result, fail_fast=fail_fast, print_fn=print_fn, clock=clock)
+        if result.failed:
+            print_fn(f"{len(result.failed)} run(s) failed: {', '.join(result.failed)}; rerun to retry them")
+        if result.diverged:
+            print_fn(f"{len(result.diverged)} run(s) diverged: {', '.join(result.diverged)} (a result: marked "
+                     "DIVERGED in the report and not retried; delete a run's directory to train it again)")
+        if compare:
+            _compare_study(study, specs, result, paper=paper, print_fn=print_fn)
+    return result
+
+
+def _run_matrix(specs: list[RunSpec], runner: Runner, result: StudyResult, *, fail_fast: bool,
+                print_fn: Callable[[str], None], clock: Callable[[], float]) -> None:
+    total = len(specs)
     start = clock()
     durations: list[float] = []
-    remaining = len(todo)
+    remaining = sum(not s.finished for s in specs)
     for i, spec in enumerate(specs, 1):
-        if spec.done:
+        if spec.finished:
             result.skipped.append(spec.name)
-            print_fn(f"[{i}/{total}] {spec.name}: done, skipped")
+            print_fn(f"[{i}/{total}] {spec.name}: {run_state(spec).replace(', skip', ', skipped')}")
             continue
-        if spec.run_dir.exists():
-            why = "finished with different arguments" if spec.stale else "half-finished"
-            print_fn(f"[{i}/{total}] {spec.name}: removing {why} run {spec.run_dir}")
-            shutil.rmtree(spec.run_dir)
-        print_fn(f"[{i}/{total}] {spec.name}: running (log: {spec.log_path})")
-        t0 = clock()
+        lock = run_lock(spec)
+        lock.acquire(print_fn)
         try:
-            rc = runner(spec)
-        except KeyboardInterrupt:
-            print_fn(f"interrupted during {spec.name}; rerun the same command to resume (finished runs are kept)")
-            raise
+            if spec.run_dir.exists():
+                why = "finished with different arguments" if spec.stale else "half-finished"
+                print_fn(f"[{i}/{total}] {spec.name}: removing {why} run {spec.run_dir}")
+                shutil.rmtree(spec.run_dir)
+            print_fn(f"[{i}/{total}] {spec.name}: running (log: {spec.log_path})")
+            t0 = clock()
+            try:
+                rc = runner(spec)
+            except KeyboardInterrupt as stop:
+                why = f" ({signal.Signals(stop.signum).name})" if isinstance(stop, StudyTerminated) else ""
+                print_fn(f"interrupted{why} during {spec.name}; the run was stopped. Rerun the same command to "
+                         "resume (finished runs are kept)")
+                raise
+        finally:
+            lock.release()
         durations.append(clock() - t0)
         remaining -= 1
         eta = (sum(durations) / len(durations)) * remaining
-        status = "ok"
-        if rc != 0:
-            status = f"FAILED (exit {rc})"
-        elif not spec.done:
-            status = "FAILED (exited 0 but wrote no DONE file)"
-        if status != "ok":
+        kind, status = run_outcome(spec, rc)
+        if kind == "failed":
             result.failed.append(spec.name)
             if spec.log_path.exists():
                 print_fn(f"--- last lines of {spec.log_path} ---\n{_tail(spec.log_path)}\n---")
         else:
-            result.ran.append(spec.name)
+            (result.ran if kind == "ok" else result.diverged).append(spec.name)
             spec.record_command()
         print_fn(
             f"[{i}/{total}] {spec.name}: {status} in {_fmt_time(durations[-1])} "
             f"(elapsed {_fmt_time(clock() - start)}, ETA {_fmt_time(eta)})"
         )
-        if status != "ok" and fail_fast:
+        if kind == "failed" and fail_fast:
             print_fn("stopping at the first failure (--fail-fast)")
             break
-    if result.failed:
-        print_fn(f"{len(result.failed)} run(s) failed: {', '.join(result.failed)}; rerun to retry them")
-    if compare:
-        from lightning_async.compare import CompareError
-        from lightning_async.compare import compare as run_compare
 
-        commands = [f"lightning-async compare {shlex.quote(str(study.runs_dir))} --output "
-                    f"{shlex.quote(str(study.compare_dir))}"] + [s.shell() for s in specs]
-        try:
-            result.compare_result = run_compare(
-                [study.runs_dir], study.compare_dir, paper=paper, commands=commands, skip_invalid=True,
-                warn=lambda m: print_fn(f"warning: {m}"),
-            )
-        except CompareError as err:
-            result.compare_error = str(err)
-            print_fn(f"compare: {err}")
-        else:
-            print_fn("\n" + result.compare_result.table(paper=paper))
-            print_fn(f"\nreport: {result.compare_result.report}")
-    return result
+
+def _compare_study(study: Study, specs: list[RunSpec], result: StudyResult, *, paper: bool,
+                   print_fn: Callable[[str], None]) -> None:
+    from lightning_async.compare import CompareError
+    from lightning_async.compare import compare as run_compare
+
+    commands = [f"lightning-async compare {shlex.quote(str(study.runs_dir))} --output "
+                f"{shlex.quote(str(study.compare_dir))}"] + [s.shell() for s in specs]
+    try:
+        result.compare_result = run_compare(
+            [study.runs_dir], study.compare_dir, paper=paper, commands=commands, skip_invalid=True,
+            warn=lambda m: print_fn(f"warning: {m}"),
+        )
+    except CompareError as err:
+        result.compare_error = str(err)
+        print_fn(f"compare: {err}")
+    else:
+        print_fn("\n" + result.compare_result.table(paper=paper))
+        print_fn(f"\nreport: {result.compare_result.report}")
 
 
 def build_parser(prog: str = "lightning-async study") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
         description="Run a matrix of trainings (optimizers x modes x lrs x seeds) one after another, skipping "
-        "finished runs, then compare them. See recipes/study/*.yaml and docs/compare.md.",
+        "finished runs, then compare them. `lightning-async recipes` lists the shipped studies (study/); see "
+        "docs/compare.md.",
     )
-    parser.add_argument("--config", "-c", required=True, help="study YAML (e.g. recipes/study/quickstart.yaml)")
+    parser.add_argument("--config", "-c", required=True,
+                        help="study YAML: a path, or a shipped study by name (e.g. quickstart)")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     parser.add_argument("--data-override", action="append", default=[], metavar="FILE.yaml",
                         help="extra config added after the recipes of every run (e.g. a data section)")
@@ -674,16 +952,17 @@ def study_from_args(args: argparse.Namespace) -> Study:
             raise StudyError(f"--only {' '.join(bad)}: not in the study's optimizers {study.optimizers}")
         study.optimizers = [o for o in study.optimizers if o in args.only]
     for extra in args.data_override:
-        if not Path(extra).is_file():
-            raise StudyError(f"--data-override {extra}: file not found")
-        study.extra_configs.append(extra)
+        found = extra if Path(extra).is_file() else find_recipe(extra, study.recipes_dir)
+        if found is None:
+            raise StudyError(f"--data-override {extra}: no such file, and no shipped recipe of that name")
+        study.extra_configs.append(str(found))
     study.overrides = study.overrides + parse_set(args.set)
     return study
 
 
 def study_main(argv: list[str] | None = None, *, runner: Runner | None = None) -> int:
-    """Entry point of ``lightning-async study``: 0 all ran and compared, 1 some run failed, 2 bad input,
-    130 interrupted."""
+    """Entry point of ``lightning-async study``: 0 all ran (or diverged) and compared, 1 some run failed,
+    2 bad input or a run still in progress elsewhere, 130 interrupted (Ctrl-C), 143 stopped by SIGTERM."""
     args = build_parser().parse_args(argv)
     if args.fake and runner is None:
         runner = synthetic_runner
@@ -696,6 +975,8 @@ def study_main(argv: list[str] | None = None, *, runner: Runner | None = None) -
     except StudyError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except StudyTerminated as stop:
+        return 128 + stop.signum
     except KeyboardInterrupt:
         return 130
     if args.dry_run:

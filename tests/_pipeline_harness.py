@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -12,6 +14,7 @@ from lightning_async.models.objective import next_token_loss, split_next_token
 from lightning_async.optim import DelayedOptimizer, build_optimizer
 from lightning_async.optim.error_feedback import ErrorFeedbackCorrection
 from lightning_async.pipeline.groups import make_pipeline_groups
+from lightning_async.pipeline.boundary import split_rows
 from lightning_async.pipeline.local import free_port, run_local
 from lightning_async.pipeline.partition import partition_units
 from lightning_async.pipeline.runtime import PipelineRuntime, build_stage
@@ -45,6 +48,21 @@ def eval_batch() -> torch.Tensor:
     return torch.randint(0, SHAPE["vocab_size"], (EVAL_BATCH_ROWS, 17), generator=torch.Generator().manual_seed(9))
 
 
+@dataclass(frozen=True)
+class Workload:
+    """A model and its data for the oracle: ``make_model()`` (seeded, same weights every call) defines
+    ``pipeline_units()`` whose names are its attribute paths; ``split_batch``/``loss`` as in the contract."""
+
+    make_model: Callable
+    make_batches: Callable[[int], list]
+    eval_batch: Callable
+    split_batch: Callable = split_next_token
+    loss: Callable = next_token_loss
+
+
+SMOLLM2 = Workload(make_model, make_batches, eval_batch)
+
+
 def lr_lambda(step: int) -> float:
     return 1.0 / (1.0 + 0.1 * step)  # a changing lr checks that each update uses its own batch's lr
 
@@ -62,22 +80,25 @@ def schedule_hyperparameters(optimizer, step: int) -> None:
             group["weight_decay"] = 0.1 if even else 0.4
 
 
-def reference_run(optimizer: str, delay: int, ef: float, steps: int, clip: float | None, microbatches: int = 1) -> dict[str, torch.Tensor]:
+def reference_run(
+    optimizer: str, delay: int, ef: float, steps: int, clip: float | None, microbatches: int = 1, workload: Workload = SMOLLM2
+) -> dict[str, torch.Tensor]:
     """Single-device run with DelayedOptimizer(pairing='2bw'); returns the newest weights by name.
 
     With ``microbatches`` the gradient is summed over chunks in the pipeline's order, so optimizers
     that amplify rounding (SOAP's eigenbases) can be compared exactly too.
     """
-    model = make_model()
+    w = workload
+    model = w.make_model()
     named = [(f"model.{n}", p) for n, p in model.named_parameters()]
     opt = build_optimizer(optimizer, named, lr=LRS[optimizer], weight_decay=0.1, **KWARGS.get(optimizer, {}))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
     wrapped = DelayedOptimizer(opt, delay=delay, error_feedback=ef, pairing="2bw")
     schedule_hyperparameters(opt, 0)
-    for step, batch in enumerate(make_batches(steps)):
-        for chunk in batch.chunk(microbatches):
-            inputs, targets = split_next_token(chunk)
-            (next_token_loss(model(inputs), targets) / microbatches).backward()
+    for step, batch in enumerate(w.make_batches(steps)):
+        for chunk in split_rows(batch, microbatches):
+            inputs, targets = w.split_batch(chunk)
+            (w.loss(model(inputs), targets) / microbatches).backward()
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         wrapped.step()
@@ -89,23 +110,26 @@ def reference_run(optimizer: str, delay: int, ef: float, steps: int, clip: float
     for p in model.parameters():
         p.data = newest[id(p)]
     with torch.no_grad():
-        inputs, targets = split_next_token(eval_batch())
-        weights["eval_loss"] = next_token_loss(model(inputs), targets)
+        inputs, targets = w.split_batch(w.eval_batch())
+        weights["eval_loss"] = w.loss(model(inputs), targets)
     return weights
 
 
 def pipeline_run(
-    stages: int, schedule: str, optimizer: str, ef: float, steps: int, clip: float | None, m: int, drain_at=(), prepost=None
+    stages: int, schedule: str, optimizer: str, ef: float, steps: int, clip: float | None, m: int, drain_at=(), prepost=None,
+    workload: Workload = SMOLLM2, activation_checkpointing: bool = False,
 ):
-    """Run inside a process of an initialised gloo group; returns this stage's weights by name, the losses
-    and the number of receives the transport pre-posted (``prepost``: see ``StageTransport``).
+    """Run inside a process of an initialised gloo group; returns this stage's weights by name, the losses,
+    the number of receives the transport pre-posted (``prepost``: see ``StageTransport``) and of the boundary
+    headers it sent.
 
     After the batches in ``drain_at`` the pipeline is evaluated under ``torch.inference_mode`` (as Lightning
     does on NCCL), which drains it; the update rule must not notice. The final evaluation uses a batch whose
     size the micro-batch count does not divide.
     """
     rank = dist.get_rank()
-    model = make_model()
+    w = workload
+    model = w.make_model()
     units = [(f"model.{n}", u) for n, u in model.pipeline_units()]
     names = partition_units(units, stages, "uniform")
     stage = rank % stages
@@ -122,28 +146,31 @@ def pipeline_run(
     schedule_hyperparameters(opt, 0)
     groups = make_pipeline_groups(rank, dist.get_world_size(), stages)
     runtime = PipelineRuntime(
-        stage_module, opt, schedule, m, split_next_token, next_token_loss, groups,
+        stage_module, opt, schedule, m, w.split_batch, w.loss, groups,
         gradient_clip_val=clip, error_feedback=ErrorFeedbackCorrection(ef) if ef else None,
         tied_parameters=tied, count_tied_in_norm=stage == 0, autocast=contextlib.nullcontext,
+        context_fn=getattr(model, "pipeline_context", None), activation_checkpointing=activation_checkpointing,
     )
     if prepost is not None:
         runtime.transport.prepost_enabled = prepost
     replicas, replica = dist.get_world_size() // stages, rank // stages
     losses = []
-    for b, batch in enumerate(make_batches(steps)):
-        runtime.train_batch(batch.chunk(replicas)[replica])  # data parallel: each replica its shard
+    for b, batch in enumerate(w.make_batches(steps)):
+        batch = split_rows(batch, replicas)[replica]  # data parallel: each replica its shard
+        runtime.train_batch(batch)
         sched.step()
         schedule_hyperparameters(opt, b + 1)
         if b in drain_at:
             with torch.inference_mode():
-                runtime.eval_batch(batch.chunk(replicas)[replica])
+                runtime.eval_batch(batch)
         losses.append(runtime.collect_loss(b - 1 if schedule == "2bw" else b) if (b > 0 or schedule != "2bw") else None)
     runtime.drain()
     losses.append(runtime.collect_loss(steps - 1) if schedule == "2bw" else None)
     by_param = {id(p): n for n, p in unique}
     weights = {by_param[id(p)]: p.detach().clone() for p in runtime.params}
-    weights["eval_loss"] = runtime.eval_batch(eval_batch())
-    return weights, [None if x is None else float(x) for x in losses], runtime.transport.preposted
+    weights["eval_loss"] = runtime.eval_batch(w.eval_batch())
+    losses = [None if x is None else float(x) for x in losses]
+    return weights, losses, runtime.transport.preposted, runtime.transport.headers_sent
 
 
 def spawn(world: int, fn, *args, timeout: float = 240.0, reporting: int | None = None) -> list:

@@ -86,3 +86,30 @@ def test_bad_input_stops_with_a_clear_message(tmp_path, args, message):
     )
     assert proc.returncode != 0
     assert message in proc.stderr + proc.stdout
+
+
+def test_simulate_without_arguments_prints_a_nominal_plan_of_the_135m_shape(capsys):
+    from lightning_async.simulate import simulate_main
+
+    assert simulate_main([]) == 0
+    out = capsys.readouterr().out
+    assert "nominal costs, nothing measured: smollm2-135m, seq 2048 x micro-batch 1, bfloat16, FLOP counts at 100 TFLOP/s" in out
+    rows = [line.split("|")[1:3] for line in out.splitlines() if line.startswith("| ") and "+2BW" not in line]
+    assert [(int(p), int(m)) for p, m in rows] == [(p, k * p) for p in (4, 8, 16) for k in (1, 2, 4)]
+    assert "skipped p=32: 30 layers cannot fill 32 stages" in out
+
+
+def test_nominal_costs_count_flops_and_parameters_exactly():
+    from lightning_async.lm import CausalLM
+    from lightning_async.simulate import measure_model, nominal_model
+
+    nominal = nominal_model("tiny", 64, micro_batch_size=2, dtype="float32", tflops=1.0)
+    model = CausalLM("tiny", vocab_size=257)
+    block, head = nominal["units"]["block"], nominal["units"]["head"]
+    assert block["params"] == sum(p.numel() for p in model.model.blocks[0].parameters())
+    assert block["forward_s"] == pytest.approx(128 * (2 * block["params"] + 4 * 64 * 128) / 1e12)
+    assert block["backward_s"] == pytest.approx(2 * block["forward_s"])
+    assert head["forward_s"] == pytest.approx(128 * 2 * head["params"] / 1e12)
+    # the activation estimate of a block is within 20% of what autograd saves
+    measured = measure_model("tiny", 64, 2, "cpu", "float32", reps=1)["units"]["block"]["activation_bytes"]
+    assert 0.8 * measured < block["activation_bytes"] < 1.2 * measured

@@ -20,7 +20,7 @@ from lightning_async.compare import (
     load_run,
     load_runs,
 )
-from lightning_async.compare.report import PAPER_REFERENCE, fmt_recovered
+from lightning_async.compare.report import HEADERS, PAPER_REFERENCE, fmt_recovered, table_cells
 from lightning_async.compare.synthetic import write_fake_run
 
 # final val losses: optimizer -> seed -> (sync, async, async+EF)
@@ -233,10 +233,136 @@ def test_groups_by_lr_and_ef_strength(tmp_path):
 
 
 def test_diverged_run_is_not_hidden(tmp_path):
+    """A non-finite val/loss marks the run DIVERGED: not averaged, not replaced by its last finite 3.2."""
     write_fake_run(tmp_path / "s", mode="sync", val_loss={10: 3.0, 20: 2.5})
     write_fake_run(tmp_path / "a", mode="delayed", val_loss={10: 3.2, 20: float("nan")})
     result = compare([tmp_path])
     (row,) = result.rows
-    assert row.async_.mean != row.async_.mean  # nan, not the last finite 3.2
-    assert any("diverged" in w for w in result.warnings)
-    assert "nan" in result.table()
+    assert row.async_ is None and row.gap is None  # never used as a result (neither nan nor 3.2)
+    assert [r.name for r in row.diverged_runs(ASYNC)] == ["a"]
+    assert any("a: diverged at step 20 (train/loss = nan)" in w for w in result.warnings)
+    table = result.table()
+    assert "DIVERGED at step 20" in table and "n/a (async diverged)" in table
+
+
+def write_diverged_study(root: Path) -> Path:
+    """adamw, two seeds: sync fine; async diverged twice (a marker without DONE; a NaN train/loss without
+    a marker); async+EF fine for seed 0 and diverged for seed 1 (a marker next to DONE: --keep-going)."""
+    for seed, final in ((0, 2.60), (1, 2.62)):
+        write_fake_run(root / f"sync-s{seed}", mode="sync", seed=seed, val_loss={10: 3.0, 20: final})
+    stopped = write_fake_run(root / "async-s0", mode="delayed", seed=0, val_loss={5: 3.4}, done=False)
+    (stopped / "DIVERGED").write_text('{"step": 7, "metric": "train/grad_norm", "value": "inf"}')  # as the guard
+    write_fake_run(root / "async-s1", mode="delayed", seed=1, val_loss={10: 3.1, 20: 2.9},
+                   train_loss={10: 3.0, 15: float("nan"), 20: float("nan")})
+    write_fake_run(root / "ef-s0", mode="delayed", ef_strength=1.0, seed=0, val_loss={10: 3.0, 20: 2.65})
+    kept_going = write_fake_run(root / "ef-s1", mode="delayed", ef_strength=1.0, seed=1,
+                                val_loss={10: 3.0, 20: 2.10})
+    (kept_going / "DIVERGED").write_text('{"step": 12, "metric": "train/loss", "value": NaN}')
+    return root
+
+
+def test_diverged_runs_marked_and_left_out(tmp_path):
+    root = write_diverged_study(tmp_path / "runs")
+    out = tmp_path / "report"
+    result = compare([root], out, plots=False)
+    (row,) = result.rows
+    assert row.async_ is None and row.gap is None
+    assert row.async_ef.values == [pytest.approx(2.65)]  # ef-s1 (2.10 at step 20) is not used
+    assert row.step == 20  # the stopped run's lone point at step 5 does not pull the row back
+    assert row.sync.values == [pytest.approx(2.60), pytest.approx(2.62)]
+    cells = dict(zip(HEADERS, table_cells([row])[0]))
+    assert cells["async"] == "DIVERGED (n=2)"
+    assert cells["async+EF"] == "2.650, 1 DIVERGED"
+    assert cells["gap (async-sync)"] == "n/a (async diverged)" and cells["EF recovered"] == "n/a (async diverged)"
+    assert not any("no DONE file" in w for w in result.warnings)  # a guard-stopped run is a result, not a crash
+    assert sum("marked DIVERGED in the table" in w for w in result.warnings) == 3
+    report = (out / "report.md").read_text()
+    assert "DIVERGED (n=2)" in report
+    assert "diverged at step 7 (train/grad_norm = inf)" in report  # the run list's status column
+    assert "diverged at step 15 (train/loss = nan)" in report
+
+    marker = load_run(root / "async-s0").divergence
+    assert (marker.step, marker.metric, marker.value, marker.source) == (7, "train/grad_norm", float("inf"),
+                                                                          "DIVERGED")
+    curve = load_run(root / "async-s1").divergence
+    assert (curve.step, curve.metric, curve.source) == (15, "train/loss", "loss curve")
+    assert load_run(root / "sync-s0").divergence is None
+
+
+def test_duplicate_runs_prefer_the_finished_one(tmp_path):
+    """An interrupted rerun of the same optimizer/mode/seed used to replace the finished run silently."""
+    write_fake_run(tmp_path / "adamw-sync", mode="sync", seed=0, val_loss={10: 3.0, 20: 2.5})
+    write_fake_run(tmp_path / "adamw-delayed", mode="delayed", seed=0, val_loss={10: 3.1, 20: 2.9})
+    write_fake_run(tmp_path / "zz-adamw-delayed-rerun", mode="delayed", seed=0, val_loss={10: 2.0}, done=False)
+    result = compare([tmp_path])
+    (row,) = result.rows
+    assert row.async_.values == [pytest.approx(2.9)] and row.step == 20
+    assert row.gap == pytest.approx(0.4, abs=1e-6)
+    assert sorted(r.name for r in result.runs) == ["adamw-delayed", "adamw-sync"]
+    (warning,) = [w for w in result.warnings if "ignoring the unfinished" in w]
+    assert "adamw async (lr 0.001, seed 0, delay 1)" in warning
+    assert str(tmp_path / "adamw-delayed") in warning and "zz-adamw-delayed-rerun" in warning
+
+
+def test_two_finished_duplicates_are_refused(tmp_path, capsys):
+    write_fake_run(tmp_path / "a" / "adamw-sync", mode="sync", seed=0, val_loss={10: 2.5})
+    write_fake_run(tmp_path / "a" / "adamw-delayed", mode="delayed", seed=0, val_loss={10: 2.9})
+    write_fake_run(tmp_path / "b" / "adamw-delayed", mode="delayed", seed=0, val_loss={10: 2.7})
+    with pytest.raises(CompareError, match=r"2 finished runs fill the same slot of the table, adamw async .*seed 0"):
+        compare([tmp_path])
+    assert compare_main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert str(tmp_path / "a" / "adamw-delayed") in err and str(tmp_path / "b" / "adamw-delayed") in err
+    assert "pass only the one you mean" in err
+    # two unfinished attempts and no finished one: refused too
+    for name in ("x", "y"):
+        write_fake_run(tmp_path / "c" / name, mode="delayed", seed=3, val_loss={10: 2.9}, done=False)
+    write_fake_run(tmp_path / "c" / "sync", mode="sync", seed=3, val_loss={10: 2.5})
+    with pytest.raises(CompareError, match=r"2 unfinished \(none finished\) runs fill the same slot"):
+        compare([tmp_path / "c"])
+    # a pipeline sync run and a single-device sync run of one seed would also share a slot
+    write_fake_run(tmp_path / "d" / "sync", mode="sync", seed=0, val_loss={10: 2.5})
+    write_fake_run(tmp_path / "d" / "sync-pipe", mode="sync_pipe", seed=0, val_loss={10: 2.6})
+    write_fake_run(tmp_path / "d" / "async", mode="delayed", seed=0, val_loss={10: 2.9})
+    with pytest.raises(CompareError, match=r"mode sync, done.*mode sync_pipe, done"):
+        compare([tmp_path / "d"])
+
+
+def test_runs_of_different_lengths_compared_at_a_common_step(tmp_path):
+    """A 20-step sync run against a 40-step async run: compared at step 20, not at each one's end
+    (at the ends, async 2.5 < sync 2.8 looked better)."""
+    write_fake_run(tmp_path / "sync", mode="sync", val_loss={10: 3.0, 20: 2.8})
+    write_fake_run(tmp_path / "async", mode="delayed", val_loss={10: 3.1, 20: 2.9, 30: 2.7, 40: 2.5})
+    out = tmp_path / "report"
+    result = compare([tmp_path / "sync", tmp_path / "async"], out, plots=False)
+    (row,) = result.rows
+    assert row.gap == pytest.approx(0.1, abs=1e-6)
+    assert row.step == 20
+    assert ("adamw: runs end at different steps (sync 20, async 40); compared at step 20, the last step at which "
+            "every run of the row logged val/loss") in result.warnings
+    cells = dict(zip(HEADERS, table_cells(result.rows)[0]))
+    assert cells["step"] == "20" and cells["async"] == "2.900"
+    report = (out / "report.md").read_text()
+    assert "| adamw | 20 | 2.800 | 2.900 |" in report and "runs end at different steps" in report
+
+    # different validation intervals (20 steps every 4, 40 steps every 8): the last shared step is 16
+    other = tmp_path / "intervals"
+    write_fake_run(other / "sync", mode="sync", val_loss={s: 3.0 - s / 100 for s in (4, 8, 12, 16, 20)})
+    write_fake_run(other / "async", mode="delayed", val_loss={s: 3.1 - s / 100 for s in (8, 16, 24, 32, 40)})
+    (row,) = compare([other]).rows
+    assert row.gap == pytest.approx(0.1, abs=1e-6) and row.step == 16
+
+    # no shared step at all: n/a with a warning saying how to fix it
+    none = tmp_path / "disjoint"
+    write_fake_run(none / "sync", mode="sync", val_loss={5: 3.0})
+    write_fake_run(none / "async", mode="delayed", val_loss={7: 3.1})
+    result = compare([none])
+    assert result.rows[0].step is None and result.rows[0].gap is None
+    assert any("share no step with a val/loss (last steps: sync 5, async 7)" in w for w in result.warnings)
+
+
+def test_runs_of_equal_length_give_no_length_warning(tmp_path):
+    runs_dir = make_study(tmp_path)
+    result = compare([runs_dir])
+    assert all(row.step == 100 for row in result.rows)
+    assert not any("different steps" in w for w in result.warnings)

@@ -1,8 +1,10 @@
-"""A rank that dies mid-fit makes the others exit with a message naming it, instead of hanging."""
+"""A rank that dies, is terminated (SIGTERM) or stops answering (SIGSTOP) mid-fit makes every rank exit within
+seconds (or `timeout`) with a message naming it, instead of hanging."""
 
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import lightning as L
@@ -62,3 +64,63 @@ def test_pre_posted_receives_are_refused_off_gloo():
     assert transport.prepost_enabled is False
     with pytest.raises(ValueError, match="gloo"):
         transport.prepost_enabled = True
+
+
+# ---- signals and silent stages: every rank ends within seconds, with a message ------------------------------
+class SignalAtBatch(L.Callback):
+    """Sends ``signum`` to this process at the start of a training batch (as a scheduler or a hang would)."""
+
+    def __init__(self, rank: int, batch: int, signum: int, stamp: str) -> None:
+        self.rank, self.batch, self.signum, self.stamp = rank, batch, signum, stamp
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_rank == self.rank and batch_idx == self.batch:
+            with open(self.stamp, "w") as f:
+                f.write(str(time.time()))
+            os.kill(os.getpid(), self.signum)
+
+
+def _fit_outcome(port: int, timeout: float, callbacks: list) -> dict:
+    """Fit on this rank (as torchrun starts it); how it ended and when, instead of raising."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dist.destroy_process_group()
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_PORT=str(port))
+    L.seed_everything(0)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=AsyncPipelineStrategy(n_microbatches=2, timeout=timeout), max_steps=8,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=callbacks, num_sanity_val_steps=0, limit_val_batches=0,
+    )
+    try:
+        trainer.fit(CausalLM(vocab_size=257, model_overrides=SHAPE), datamodule=TinyData())
+        outcome = {"error": None, "message": ""}
+    except BaseException as err:  # SystemExit included: a SIGTERM-stopped stage raises StageTerminated
+        outcome = {"error": type(err).__name__, "message": str(err), "code": getattr(err, "code", None)}
+    return dict(outcome, ended=time.time())
+
+
+def test_sigterm_to_one_stage_stops_every_rank_within_seconds(tmp_path):
+    """Before: the signalled rank waited in Lightning's SIGTERM broadcast from rank 0, every rank for `timeout`."""
+    stamp = str(tmp_path / "signalled")
+    callbacks = [SignalAtBatch(rank=1, batch=2, signum=signal.SIGTERM, stamp=stamp)]
+    ends = spawn(2, _fit_outcome, free_port(), 60, callbacks, timeout=120)
+    stopped, peer = ends[1], ends[0]
+    assert stopped["error"] == "StageTerminated", stopped
+    assert "SIGTERM: pipeline stage 1 (global rank 1) stopped at step 3" in stopped["message"]
+    assert stopped["code"] and stopped["code"] != 0  # a SIGTERM-stopped fit exits non-zero
+    assert peer["error"] == "PeerFailure" and "stage 1 (global rank 1)" in peer["message"], peer
+    signalled = float(open(stamp).read())
+    assert max(stopped["ended"], peer["ended"]) - signalled < 15  # not the 60 s timeout
+
+
+def test_silent_stage_is_timed_out_and_named(tmp_path):
+    """SIGSTOP: the stage neither dies nor answers. Before: the pipeline groups had torch's 30-minute timeout."""
+    stamp = str(tmp_path / "stopped")
+    callbacks = [SignalAtBatch(rank=1, batch=2, signum=signal.SIGSTOP, stamp=stamp)]
+    (peer,) = spawn(2, _fit_outcome, free_port(), 5, callbacks, timeout=90, reporting=1)  # rank 1 never reports
+    assert peer["error"] == "PeerFailure", peer
+    assert "stage 1 (global rank 1) stopped answering" in peer["message"] and "Timed out" in peer["message"], peer["message"]
+    waited = peer["ended"] - float(open(stamp).read())
+    assert 4 < waited < 15, waited

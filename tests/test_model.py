@@ -90,3 +90,32 @@ def test_causal_lm_learns_a_repeating_sequence():
         loss.backward()
         opt.step()
     assert loss.item() < 0.2 * first
+
+
+def test_rope_tables_are_computed_once_per_forward_and_once_per_stage_and_microbatch(monkeypatch):
+    from lightning_async.models import smollm2
+    from lightning_async.pipeline.runtime import PipelineRuntime, StageModule
+
+    calls = []
+    original = smollm2.rotary_tables
+    monkeypatch.setattr(smollm2, "rotary_tables", lambda *args, **kwargs: calls.append(args) or original(*args, **kwargs))
+    model = tiny().eval()
+    x = torch.randint(0, 257, (4, 9))
+    expected = model(x)
+    assert len(calls) == 1  # not once per block
+    stage = StageModule(model.pipeline_units())
+    assert stage.takes_context == [False, True, True, False]
+    calls.clear()
+    assert torch.equal(stage(x, model.pipeline_context(x)), expected) and len(calls) == 1
+    calls.clear()
+    h = x
+    for _, unit in model.pipeline_units():  # without a context each block still computes its own tables
+        h = unit(h)
+    assert torch.equal(h, expected) and len(calls) == 2
+    runtime = PipelineRuntime(
+        stage, torch.optim.SGD(stage.parameters(), lr=0.1), "1f1b", 2, split_next_token, next_token_loss,
+        context_fn=model.pipeline_context,
+    )
+    calls.clear()
+    runtime.train_batch(torch.randint(0, 257, (4, 10)))
+    assert len(calls) == 2  # one per micro-batch on this stage

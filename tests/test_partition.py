@@ -70,3 +70,7 @@ def test_tied_weights_pair_up_in_one_order_and_only_between_first_and_last_stage
     shared_with_middle = [("first", a), ("mid", nn.ModuleDict({"w": a})), ("last", nn.Linear(2, 2))]
     with pytest.raises(ValueError, match=r"'first.weight' is shared by pipeline stages \[0, 1\]; only the first and the last"):
         build_stage(shared_with_middle, split, 0)
+    middle_and_last = [("first", nn.Linear(2, 2)), ("mid", a), ("last", nn.ModuleDict({"w": a}))]
+    for stage in range(3):  # every stage refuses, before any rank could wait for another
+        with pytest.raises(ValueError, match=r"'mid.weight' is shared by pipeline stages \[1, 2\]"):
+            build_stage(middle_and_last, split, stage)

@@ -267,3 +267,57 @@ def test_spawn_returns_every_stage_to_the_main_process(pipeline_fits):
     trainer.fit(model, datamodule=TinyData())
     state = {k: v.detach() for k, v in model.state_dict().items()}
     assert _max_diff(state, _merged(pipeline_fits, "async")) < 1e-6
+
+
+def test_unknown_schedule_names_the_choices():
+    with pytest.raises(ValueError, match=r"Unknown pipeline schedule '2bx'\. Choose one of: gpipe, 1f1b, 2bw \(or strategy='async_pipe'"):
+        AsyncPipelineStrategy(schedule="2bx")
+
+
+@pytest.mark.parametrize("timeout", [-5, 0, -0.5])
+def test_timeout_must_be_positive(timeout):
+    """Before: a negative timeout reached torch's C++ process-group constructor (a raw stack trace)."""
+    with pytest.raises(ValueError, match=f"timeout must be a positive number of seconds .*got {timeout}"):
+        AsyncPipelineStrategy(timeout=timeout)
+
+
+def test_refused_mesh_starts_no_other_rank(monkeypatch):
+    """Before: Lightning's launcher started the other ranks first; each re-ran the whole script (model, data)
+    before failing alike (7 ranks ran on for 21 s after the CLI had exited)."""
+    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    def started(self):
+        raise AssertionError("other ranks were started before the configuration was checked")
+
+    monkeypatch.setattr(_SubprocessScriptLauncher, "_call_children_scripts", started)
+    trainer = L.Trainer(accelerator="cpu", devices=8, strategy=AsyncPipelineStrategy(), logger=False, max_steps=1)
+    with pytest.raises(ValueError, match="Cannot split 6 pipeline units into 8 stages"):
+        trainer.fit(CausalLM(vocab_size=257, model_overrides=SHAPE), datamodule=TinyData())
+
+
+def test_run_identity_records_the_strategy_error_feedback():
+    """Before: AsyncPipelineStrategy(error_feedback=1.0) applied EF but the run was recorded with ef_strength 0."""
+    from lightning_async.callbacks import run_identity
+
+    model = CausalLM(vocab_size=257, model_overrides=SHAPE)
+    for strategy, expected in ((AsyncPipelineStrategy(error_feedback=1.0), 1.0), (AsyncPipelineStrategy(), 0.0)):
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
+        identity = run_identity(trainer, model)
+        assert identity["mode"] == "async_pipe" and identity["ef_strength"] == expected
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=AsyncPipelineStrategy(), logger=False, callbacks=[ErrorFeedback(0.5)])
+    assert run_identity(trainer, model)["ef_strength"] == 0.5  # the callback, before its setup hook ran
+
+
+def test_a_failing_launcher_process_ends_the_ranks_it_started():
+    """Before: after a start-up error on rank 0 the ranks Lightning's launcher had started ran on (and a SIGSTOPped
+    rank stayed forever)."""
+    import subprocess
+    import sys
+
+    strategy = AsyncPipelineStrategy()
+    L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
+    assert type(strategy.launcher).__name__ == "_PipelineScriptLauncher"
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    strategy.launcher.procs = [child]
+    strategy.on_exception(RuntimeError("start-up error"))
+    assert child.wait(timeout=10) != 0

@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +25,7 @@ from lightning_async.study import (
     RunSpec,
     StudyError,
     load_study,
+    pid_alive,
     study_from_dict,
     study_main,
 )
@@ -39,19 +47,31 @@ def fake_final(spec: RunSpec) -> float:
 class FakeRunner:
     """Writes a run dir that follows the run conventions; can be told to fail or be interrupted."""
 
-    def __init__(self, interrupt_at: int | None = None, fail: set[str] | None = None):
+    def __init__(self, interrupt_at: int | None = None, fail: set[str] | None = None,
+                 diverge: dict[str, str] | None = None):
         self.calls: list[str] = []
         self.commands: list[list[str]] = []
+        self.locks: list[dict] = []
         self.interrupt_at = interrupt_at
         self.fail = fail or set()
+        self.diverge = diverge or {}  # run name -> "guard" (stopped by DivergenceGuard) | "no-guard" (NaN, exit 0)
 
     def __call__(self, spec: RunSpec) -> int:
         self.calls.append(spec.name)
         self.commands.append(spec.command)
+        self.locks.append(json.loads(spec.lock_path.read_text()))
         final = fake_final(spec)
         kwargs = dict(optimizer=spec.optimizer or "adamw", mode=spec.logged_mode,
                       ef_strength=1.0 if spec.uses_ef else 0.0, seed=spec.seed, lr=spec.lr,
                       val_loss={5: final + 1.0, 10: final})
+        if self.diverge.get(spec.name) == "guard":  # what DivergenceGuard leaves: a marker, no DONE, exit 1
+            write_fake_run(spec.run_dir, done=False, **{**kwargs, "val_loss": {}}, train_loss={1: 9.0, 2: 1e30})
+            (spec.run_dir / "DIVERGED").write_text('{"step": 3, "metric": "train/loss", "value": NaN}')
+            return 1
+        if self.diverge.get(spec.name) == "no-guard":  # NaN from step 6 on, trained to the end, DONE, exit 0
+            write_fake_run(spec.run_dir, **{**kwargs, "val_loss": {5: final, 10: float("nan")}},
+                           train_loss={5: final, 6: float("nan"), 10: float("nan")})
+            return 0
         if self.interrupt_at is not None and len(self.calls) == self.interrupt_at:
             write_fake_run(spec.run_dir, done=False, **kwargs)  # half-written, then Ctrl-C
             raise KeyboardInterrupt
@@ -199,6 +219,194 @@ def test_fake_study_end_to_end(tmp_path, capsys):
     assert "adamw" in out and "75%" in out  # synthetic EF recovers 75%
 
 
+def test_diverged_runs_are_reported_and_not_retried(tmp_path, capsys):
+    path = write_study(tmp_path, optimizers=["adamw"], seeds=[0])
+    runner = FakeRunner(diverge={"adamw-delayed-s0": "guard", "adamw-delayed-ef-s0": "no-guard"})
+    assert study_main(["--config", str(path)], runner=runner) == 0  # diverging is a result, not a failure
+    out = capsys.readouterr().out
+    assert "adamw-delayed-s0: DIVERGED at step 3 (train/loss = nan), exit 1 in" in out  # not "FAILED (exit 1)"
+    assert "adamw-delayed-ef-s0: DIVERGED at step 6 (train/loss = nan) in" in out  # not "ok"
+    assert "adamw-sync-s0: ok in" in out
+    assert "2 run(s) diverged: adamw-delayed-s0, adamw-delayed-ef-s0" in out and "failed" not in out
+    marker = json.loads((tmp_path / "out" / "runs" / "adamw-delayed-ef-s0" / "DIVERGED").read_text())
+    assert marker == {"step": 6, "metric": "train/loss", "value": "nan", "source": "loss curve"}
+    # the gap table marks both, and uses neither
+    report = (tmp_path / "out" / "compare" / "report.md").read_text()
+    assert "| adamw | 10 | 2.600 | DIVERGED at step 3 | DIVERGED at step 6 | n/a (async diverged) |" in report
+    # a rerun keeps them (diverging again would teach nothing) and says so
+    again = FakeRunner()
+    assert study_main(["--config", str(path), "--no-compare"], runner=again) == 0
+    assert again.calls == []
+    assert "[2/3] adamw-delayed-s0: diverged, skipped" in capsys.readouterr().out
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_run_lock_refuses_a_live_run_and_takes_over_a_stale_one(tmp_path, capsys):
+    path = write_study(tmp_path, optimizers=["adamw"], modes=["sync"], seeds=[0])
+    run_dir = tmp_path / "out" / "runs" / "adamw-sync-s0"
+    lock = run_dir.with_name("adamw-sync-s0.lock")
+    run_dir.mkdir(parents=True)
+    (run_dir / "events.out.tfevents.partial").write_text("")  # being written by the process holding the lock
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        lock.write_text(json.dumps({"pid": _dead_pid(), "child_pid": sleeper.pid, "host": socket.gethostname(),
+                                    "since": "earlier"}))
+        runner = FakeRunner()
+        assert study_main(["--config", str(path)], runner=runner) == 2
+        err = capsys.readouterr().err
+        assert "run adamw-sync-s0 is still in progress (pid" in err and f"child pid {sleeper.pid}" in err
+        assert f"stop it (kill {sleeper.pid}), then rerun" in err and str(lock) in err
+        assert runner.calls == [] and (run_dir / "events.out.tfevents.partial").exists()  # nothing deleted
+        assert study_main(["--config", str(path), "--dry-run"], runner=runner) == 0
+        assert "adamw-sync-s0 (in progress: pid" in capsys.readouterr().out
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    # a lock taken on another machine cannot be checked: refused too
+    lock.write_text(json.dumps({"pid": os.getpid(), "host": "some-other-node", "since": "earlier"}))
+    assert study_main(["--config", str(path)], runner=runner) == 2
+    assert "on host some-other-node (cannot be checked from here)" in capsys.readouterr().err
+    # the holder is gone: the lock is taken over, with a message, and the run trains under this study's pid
+    lock.write_text(json.dumps({"pid": _dead_pid(), "child_pid": sleeper.pid, "host": socket.gethostname()}))
+    assert study_main(["--config", str(path), "--no-compare"], runner=runner) == 0
+    out = capsys.readouterr().out
+    assert f"taking over the stale lock {lock} of run adamw-sync-s0" in out and "no such process now" in out
+    assert runner.calls == ["adamw-sync-s0"] and runner.locks[0]["pid"] == os.getpid()
+    assert not lock.exists()  # released when the run ended
+
+
+# A stand-in for `lightning-async fit` that trains forever: writes into its run dir, records its pid and the
+# study's lock, and on SIGTERM either shuts down gracefully in 0.5 s (FAKE_FIT=polite) or ignores it (stubborn).
+FAKE_FIT = r"""
+import json, os, signal, sys, time
+from pathlib import Path
+args = sys.argv[1:]
+runs = Path(args[args.index("--trainer.logger.init_args.save_dir") + 1]) / "runs"
+name = args[args.index("--trainer.logger.init_args.version") + 1]
+state = Path(os.environ["FAKE_FIT_STATE"])
+def on_term(signum, frame):
+    (state / "got-sigterm").write_text("")
+    if os.environ["FAKE_FIT"] == "stubborn":
+        return
+    time.sleep(0.5)
+    (state / "stopped").write_text("")
+    sys.exit(143)
+signal.signal(signal.SIGTERM, on_term)
+(runs / name).mkdir(parents=True, exist_ok=True)
+(runs / name / "events.out.tfevents.partial").write_text("")
+lock = runs / (name + ".lock")
+deadline = time.time() + 5
+while time.time() < deadline and not (lock.exists() and "child_pid" in lock.read_text()):
+    time.sleep(0.02)
+(state / "lock").write_text(lock.read_text() if lock.exists() else "{}")
+(state / "pid").write_text(str(os.getpid()))
+while True:
+    time.sleep(0.05)
+"""
+
+# Runs study_main in a fresh process in well under a second: the package's __init__ (which imports torch and
+# Lightning, seconds on a busy machine) is replaced by a bare package, and so is the optimizer-zoo lookup.
+DRIVER = r"""
+import sys, types
+package_dir, config, grace = sys.argv[1], sys.argv[2], float(sys.argv[3])
+package = types.ModuleType("lightning_async")
+package.__path__ = [package_dir]
+sys.modules["lightning_async"] = package
+import lightning_async.study as study
+study.valid_optimizers = lambda recipes_dir=None: ["adamw"]
+study.STOP_GRACE_S = grace
+sys.exit(study.study_main(["--config", config, "--no-compare"]))
+"""
+
+
+def _wait_for(path: Path, timeout: float = 15.0) -> str:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} did not appear within {timeout}s"
+        time.sleep(0.02)
+    time.sleep(0.05)  # written by write_text: let it finish
+    return path.read_text()
+
+
+def _start_study(tmp_path: Path, behaviour: str, grace: float) -> tuple[subprocess.Popen, Path]:
+    import lightning_async.study
+
+    (tmp_path / "fake_fit.py").write_text(FAKE_FIT)
+    (tmp_path / "driver.py").write_text(DRIVER)
+    state = tmp_path / "state"
+    state.mkdir()
+    path = write_study(tmp_path, optimizers=["adamw"], modes=["sync"], seeds=[0],
+                       launcher=[sys.executable, str(tmp_path / "fake_fit.py")])
+    env = dict(os.environ, FAKE_FIT=behaviour, FAKE_FIT_STATE=str(state))
+    package_dir = str(Path(lightning_async.study.__file__).parent)
+    study = subprocess.Popen([sys.executable, str(tmp_path / "driver.py"), package_dir, str(path), str(grace)],
+                             env=env, cwd=tmp_path,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return study, state
+
+
+@pytest.mark.parametrize("behaviour", ["polite", "stubborn"])
+def test_sigterm_stops_the_run_and_waits_for_it(tmp_path, behaviour):
+    """SIGTERM to a study used to kill it alone, leaving its training running as an orphan."""
+    study, state = _start_study(tmp_path, behaviour, grace=1.0)
+    child = None
+    try:
+        child = int(_wait_for(state / "pid"))
+        t0 = time.monotonic()
+        study.send_signal(signal.SIGTERM)
+        rc = study.wait(timeout=20)
+        output = study.stdout.read()
+        assert rc == 128 + signal.SIGTERM, output
+        assert (state / "got-sigterm").exists()  # passed on to the run
+        assert not pid_alive(child)  # and waited for: nothing outlives the study
+        if behaviour == "polite":
+            assert (state / "stopped").exists()  # its graceful shutdown (0.5 s) was not cut short
+        else:
+            assert time.monotonic() - t0 >= 1.0 and "did not stop within 1s of SIGTERM; killing it" in output
+        assert "interrupted (SIGTERM) during adamw-sync-s0" in output
+        lock = json.loads((state / "lock").read_text())  # what the run saw while it trained
+        assert lock["pid"] == study.pid and lock["child_pid"] == child  # a later study can see both
+        assert not (tmp_path / "out" / "runs" / "adamw-sync-s0.lock").exists()  # released
+    finally:
+        study.kill()
+        if child is not None and pid_alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def test_rerun_does_not_touch_a_run_still_training(tmp_path, capsys):
+    """A study killed with SIGKILL cannot stop its run; the next study must not delete or retrain it."""
+    study, state = _start_study(tmp_path, "polite", grace=1.0)
+    child = None
+    try:
+        child = int(_wait_for(state / "pid"))
+        study.kill()
+        study.wait(timeout=10)
+        assert pid_alive(child)  # the orphan trains on
+        runner = FakeRunner()
+        assert study_main(["--config", str(tmp_path / "study.yaml"), "--no-compare"], runner=runner) == 2
+        err = capsys.readouterr().err
+        assert f"run adamw-sync-s0 is still in progress (pid {study.pid} and child pid {child}" in err
+        assert f"stop it (kill {child}), then rerun" in err  # the study's own pid is gone
+        partial = tmp_path / "out" / "runs" / "adamw-sync-s0" / "events.out.tfevents.partial"
+        assert runner.calls == [] and partial.exists()  # nothing deleted, nothing retrained
+        os.kill(child, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while pid_alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # once it is gone, the next study takes the lock over and trains the run again
+        assert study_main(["--config", str(tmp_path / "study.yaml"), "--no-compare"], runner=runner) == 0
+        assert "taking over the stale lock" in capsys.readouterr().out and runner.calls == ["adamw-sync-s0"]
+    finally:
+        study.kill()
+        if child is not None and pid_alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
 # ---- probe ------------------------------------------------------------------------------------
 def synthetic_row(tmp_path: Path, finals: dict[str, list[float]]) -> Row:
     spec = {SYNC: ("sync", 0.0), ASYNC: ("delayed", 0.0), ASYNC_EF: ("delayed", 1.0)}
@@ -237,6 +445,13 @@ def test_verdict_one_seed_and_no_gap(tmp_path):
     assert "costs nothing measurable" in verdict(row).text
     row = synthetic_row(tmp_path / "c", {SYNC: [2.6]})
     assert verdict(row).confidence == "none"
+
+
+def test_verdict_names_a_diverged_run(tmp_path):
+    row = synthetic_row(tmp_path, {SYNC: [2.6], ASYNC: [float("nan")]})
+    v = verdict(row)
+    assert v.confidence == "none"
+    assert v.text.startswith("cannot judge: the async run diverged (non-finite loss)"), v.text
 
 
 def test_probe_with_injected_runner(tmp_path, capsys):

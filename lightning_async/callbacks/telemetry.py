@@ -23,6 +23,7 @@ def run_identity(trainer: Trainer, pl_module: LightningModule) -> dict:
     if _is_pipeline(trainer):
         asynchronous = trainer.strategy.schedule == "2bw"
         mode, delay = ("async_pipe", 1) if asynchronous else ("sync_pipe", 0)
+        ef = max(ef, trainer.strategy.error_feedback)  # AsyncPipelineStrategy(error_feedback=...) applies EF too
     else:
         mode = "delayed" if delay else "sync"
     seed = os.environ.get("PL_GLOBAL_SEED")

@@ -14,7 +14,6 @@ Command line: ``lightning-async compare RUN_DIR [RUN_DIR ...] [--output DIR] [--
 from __future__ import annotations
 
 import argparse
-import math
 import shlex
 import sys
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from lightning_async.compare.events import (
     load_runs,
     read_scalars,
 )
+from lightning_async.compare.divergence import DIVERGED_FILE, Divergence, find_divergence
 from lightning_async.compare.report import (
     GAP_TOLERANCE,
     PAPER_REFERENCE,
@@ -43,6 +43,7 @@ from lightning_async.compare.report import (
     render_tables,
     write_markdown,
 )
+from lightning_async.compare.selection import select_runs
 
 __all__ = [
     "ASYNC",
@@ -52,6 +53,8 @@ __all__ = [
     "SYNC",
     "CompareError",
     "CompareResult",
+    "DIVERGED_FILE",
+    "Divergence",
     "Row",
     "Run",
     "RunIdentity",
@@ -59,10 +62,12 @@ __all__ = [
     "classify",
     "compare",
     "compare_main",
+    "find_divergence",
     "find_run_dirs",
     "load_run",
     "load_runs",
     "read_scalars",
+    "select_runs",
 ]
 
 
@@ -94,8 +99,11 @@ def compare(
 ) -> CompareResult:
     """Load runs under ``paths``, build the gap table and (with ``output``) write the report.
 
-    Raises :class:`CompareError` for fatal input problems (nothing found, a run without identity
-    unless ``skip_invalid``, no optimizer with both a sync and an async run).
+    Each row is compared at the last step all its runs logged ``val/loss``; diverged runs are marked
+    and left out of the numbers; of several runs for one slot (same optimizer, mode class, lr,
+    delay, EF strength and seed) the only finished one is used. Raises :class:`CompareError` for
+    fatal input problems (nothing found, a run without identity unless ``skip_invalid``, several
+    finished runs for one slot, no optimizer with both a sync and an async run).
     """
     warnings: list[str] = []
 
@@ -104,14 +112,14 @@ def compare(
         if warn is not None:
             warn(message)
 
-    runs = load_runs(paths, skip_invalid=skip_invalid, warn=_warn)
+    runs = select_runs(load_runs(paths, skip_invalid=skip_invalid, warn=_warn), warn=_warn)
     for run in runs:
-        if run.final_val_loss is not None and not math.isfinite(run.final_val_loss):
-            _warn(f"{run.path}: final val/loss is {run.final_val_loss} (diverged); its group's mean is not finite")
-        if run.final_val_loss is None:
+        if run.diverged:
+            _warn(f"{run.path}: {run.divergence.describe()}; marked DIVERGED in the table, not used in any number")
+        elif run.final_val_loss is None:
             _warn(f"{run.path}: no val/loss scalar logged; the run is listed but not in the table")
         elif not run.done:
-            _warn(f"{run.path}: no DONE file (unfinished or interrupted run); its last val/loss is used")
+            _warn(f"{run.path}: no DONE file (unfinished or interrupted run); compared up to its last val/loss")
     rows = build_rows(runs, gap_tolerance=gap_tolerance)
     for message in check_comparable(rows):
         _warn(message)

@@ -14,7 +14,6 @@ Scalars are read with TensorBoard's own ``EventAccumulator`` and a ``size_guidan
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Iterable, Mapping
@@ -23,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from lightning_async.compare.divergence import DONE_FILE, Divergence, find_divergence
 
 EVENT_PREFIX = "events.out.tfevents."
 OUTPUT_MARKER = ".lightning-async-compare"  # written into compare's own output dir: never a run
@@ -79,6 +80,7 @@ class Run:
     scalars: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     hparams: dict[str, Any] = field(default_factory=dict)
     done: bool = False
+    divergence: Divergence | None = None
 
     @property
     def name(self) -> str:
@@ -101,6 +103,31 @@ class Run:
         if not points:
             return None
         return max(points, key=lambda p: p[0])[1]
+
+    def val_loss_at(self, step: int) -> float | None:
+        """The validation loss logged at exactly ``step`` (``None`` when the run did not validate there)."""
+        return dict(self.series(VAL_LOSS)).get(step)
+
+    @property
+    def val_steps(self) -> list[int]:
+        """Steps at which the run logged ``val/loss``, ascending."""
+        return [step for step, _ in self.series(VAL_LOSS)]
+
+    @property
+    def diverged(self) -> bool:
+        return self.divergence is not None
+
+    @property
+    def finished(self) -> bool:
+        """Ended with a result: ``DONE`` written, or diverged (a diverged run is a result, not a crash)."""
+        return self.done or self.diverged
+
+    @property
+    def status(self) -> str:
+        """``done``, ``diverged at step N (metric = value)`` or ``unfinished``."""
+        if self.divergence is not None:
+            return self.divergence.describe()
+        return "done" if self.done else "unfinished"
 
     @property
     def last_step(self) -> int | None:
@@ -294,7 +321,7 @@ def identity_from(sources: list[tuple[str, Mapping[str, Any]]], run_dir: Path) -
 
 
 def load_run(run_dir: str | os.PathLike) -> Run:
-    """Read one run dir: identity, every scalar, and whether it finished (``DONE``)."""
+    """Read one run dir: identity, every scalar, whether it finished (``DONE``) and whether it diverged."""
     path = Path(run_dir)
     if not has_event_files(path):
         raise CompareError(f"{path}: no TensorBoard event files in this directory")
@@ -304,12 +331,14 @@ def load_run(run_dir: str | os.PathLike) -> Run:
     sources.append(("TensorBoard hparams plugin", _plugin_hparams(acc)))
     sources.append(("config.yaml", _load_yaml(path / "config.yaml")))
     identity = identity_from(sources, path)
+    scalars = read_scalars(path, acc)
     return Run(
         path=path,
         identity=identity,
-        scalars=read_scalars(path, acc),
+        scalars=scalars,
         hparams=hparams or dict(sources[1][1]),
-        done=(path / "DONE").exists(),
+        done=(path / DONE_FILE).exists(),
+        divergence=find_divergence(path, scalars),
     )
 
 
@@ -332,14 +361,3 @@ def load_runs(paths: Iterable[str | os.PathLike], *, skip_invalid: bool = False,
         raise CompareError("no usable runs: every run directory found lacks an identity (see the warnings above)")
     return runs
 
-
-def done_info(run_dir: str | os.PathLike) -> dict[str, Any] | None:
-    """The content of a run's ``DONE`` file (``{}`` when empty or not JSON), ``None`` when absent."""
-    path = Path(run_dir) / "DONE"
-    if not path.exists():
-        return None
-    try:
-        data = json.loads(path.read_text() or "{}")
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}

@@ -1,5 +1,7 @@
 """PNG curves: validation loss vs step, sync / async / async+EF overlaid, one panel per row group.
 
+Diverged runs are drawn (up to their last finite point) with "(DIVERGED)" in the legend.
+
 Uses matplotlib's Agg backend (no display needed). Writes one PNG per optimizer
 (``val_loss_<optimizer>.png``) and a grid of all of them (``val_loss_grid.png``).
 """
@@ -43,6 +45,8 @@ def _draw(ax, rows: list[Row], tag: str) -> bool:
                 label = category if len(rows) == 1 else f"{row.label}: {category}"
                 if len(runs) > 1:
                     label += f" s{run.identity.seed}"
+                if run.diverged:
+                    label += " (DIVERGED)"
                 ax.plot(
                     steps, values, color=COLORS[category], linestyle=STYLES[i % len(STYLES)],
                     marker="o" if len(steps) < 30 else None, markersize=3, linewidth=1.4,

@@ -2,9 +2,11 @@
 
 Rows are groups of runs that differ only in the mode (and the seed): one row per optimizer, per
 (optimizer, lr) when an optimizer was run at several learning rates, and per delay / EF strength
-when a study swept those. For each row:
+when a study swept those. Every run of a row is read at the same optimizer step, the row's
+``step``: the last step at which all its runs logged ``val/loss`` (runs of different lengths are
+compared where they overlap, with a warning). Diverged runs are marked, never averaged. For each row:
 
-* ``sync``, ``async``, ``async+EF``: mean final ``val/loss`` over seeds, with the spread;
+* ``sync``, ``async``, ``async+EF``: mean ``val/loss`` at ``step`` over seeds, with the spread;
 * ``gap = async - sync`` (and in % of sync);
 * ``EF recovered = (async - async+EF) / (async - sync)``: 1 means EF closes the whole gap, 0 means
   it does nothing, negative means it hurts. "n/a" when a mode is missing or the gap is ~0.
@@ -18,9 +20,13 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from lightning_async.compare.events import ASYNC, ASYNC_EF, SYNC, CompareError, Run
+from lightning_async.compare.selection import describe_slot, lr_key
+
+CATEGORY_ORDER = (SYNC, ASYNC, ASYNC_EF)
 
 #: |gap| below this (absolute, in loss units) counts as "no gap": the recovered share is n/a.
 GAP_TOLERANCE = 1e-4
@@ -62,6 +68,10 @@ class Stat:
         return max(self.values)
 
 
+def _usable(run: Run) -> bool:
+    return not run.diverged and bool(run.val_steps)
+
+
 def _stat(values: list[float]) -> Stat | None:
     return Stat(values) if values else None
 
@@ -80,16 +90,46 @@ class Row:
     runs: dict[str, list[Run]] = field(default_factory=lambda: {SYNC: [], ASYNC: [], ASYNC_EF: []})
     gap_tolerance: float = GAP_TOLERANCE
 
+    # ---- which runs count, and at which step ------------------------------------------------
+    def usable_runs(self, category: str) -> list[Run]:
+        """Runs of ``category`` that give a result: logged ``val/loss`` and did not diverge."""
+        return [r for r in self.runs[category] if _usable(r)]
+
+    def diverged_runs(self, category: str) -> list[Run]:
+        return [r for r in self.runs[category] if r.diverged]
+
+    @cached_property
+    def step(self) -> int | None:
+        """The last step at which every usable run of the row logged ``val/loss`` (None: no common step)."""
+        usable = [r for c in CATEGORY_ORDER for r in self.usable_runs(c)]
+        if not usable:
+            return None
+        common = set(usable[0].val_steps).intersection(*(r.val_steps for r in usable[1:]))
+        return max(common) if common else None
+
+    def last_steps(self) -> dict[str, list[int]]:
+        """category -> the distinct last ``val/loss`` steps of its usable runs."""
+        return {c: sorted({r.val_steps[-1] for r in self.usable_runs(c)}) for c in CATEGORY_ORDER
+                if self.usable_runs(c)}
+
     # ---- per-mode results -------------------------------------------------------------------
     def losses(self, category: str) -> dict[int | None, float]:
-        """seed -> final val loss (runs without a seed get distinct negative keys)."""
+        """seed -> val loss at :attr:`step` (runs without a seed get distinct negative keys).
+
+        Raises :class:`CompareError` when two runs give the same seed (``select_runs`` keeps one).
+        """
         out: dict[int | None, float] = {}
+        if self.step is None:
+            return out
+        seen: dict[int | None, Run] = {}
         for i, run in enumerate(self.runs[category]):
-            loss = run.final_val_loss
-            if loss is None:
+            if not _usable(run):
                 continue
             key = run.identity.seed if run.identity.seed is not None else -(i + 1)
-            out[key] = loss
+            if key in seen:
+                raise CompareError(f"{describe_slot(run)}: two runs, {seen[key].path} and {run.path}; keep one")
+            seen[key] = run
+            out[key] = run.val_loss_at(self.step)
         return out
 
     def stat(self, category: str) -> Stat | None:
@@ -174,20 +214,20 @@ class Row:
             parts.append(f"EF={_g(self.ef_strength)}")
         return " ".join(parts)
 
+    def present(self, category: str) -> bool:
+        """Has runs with a result for ``category``: a val/loss, or a divergence (a result too)."""
+        return bool(self.usable_runs(category) or self.diverged_runs(category))
+
     @property
     def comparable(self) -> bool:
-        return self.sync is not None and (self.async_ is not None or self.async_ef is not None)
+        return self.present(SYNC) and (self.present(ASYNC) or self.present(ASYNC_EF))
 
     def missing(self) -> list[str]:
-        return [c for c in (SYNC, ASYNC, ASYNC_EF) if self.stat(c) is None]
+        return [c for c in CATEGORY_ORDER if not self.present(c)]
 
 
 def _g(x: float | None) -> str:
     return "default" if x is None else f"{x:g}"
-
-
-def _lr_key(lr: float | None) -> float | None:
-    return None if lr is None else float(f"{lr:.6g}")
 
 
 def build_rows(runs: list[Run], gap_tolerance: float = GAP_TOLERANCE) -> list[Row]:
@@ -198,9 +238,9 @@ def build_rows(runs: list[Run], gap_tolerance: float = GAP_TOLERANCE) -> list[Ro
     rows: list[Row] = []
     for optimizer in sorted(by_opt):
         opt_runs = by_opt[optimizer]
-        lrs = sorted({_lr_key(r.identity.lr) for r in opt_runs}, key=lambda x: (x is None, x))
+        lrs = sorted({lr_key(r.identity.lr) for r in opt_runs}, key=lambda x: (x is None, x))
         for lr in lrs:
-            group = [r for r in opt_runs if _lr_key(r.identity.lr) == lr]
+            group = [r for r in opt_runs if lr_key(r.identity.lr) == lr]
             delayed = [r for r in group if r.category != SYNC]
             delays = sorted({r.identity.delay for r in delayed}) or [None]
             efs = sorted({r.identity.ef_strength for r in delayed if r.category == ASYNC_EF}) or [None]
@@ -228,20 +268,32 @@ def build_rows(runs: list[Run], gap_tolerance: float = GAP_TOLERANCE) -> list[Ro
 
 
 def check_comparable(rows: list[Row]) -> list[str]:
-    """Warnings for rows that cannot be compared; raises :class:`CompareError` if none can."""
+    """Warnings for rows that cannot be compared or whose runs differ in length; raises
+    :class:`CompareError` if no row can be compared."""
     warnings = []
     for row in rows:
+        ends = row.last_steps()
+        if ends and row.step is None:
+            warnings.append(f"{row.label}: its runs share no step with a val/loss (last steps: {_ends(ends)}); "
+                            "shown as n/a. Validate at the same steps (e.g. the same val_check_interval)")
+        elif len({s for steps in ends.values() for s in steps}) > 1:
+            warnings.append(f"{row.label}: runs end at different steps ({_ends(ends)}); compared at step "
+                            f"{row.step}, the last step at which every run of the row logged val/loss")
         missing = row.missing()
         if missing:
             warnings.append(f"{row.label}: no finished runs with val/loss for {', '.join(missing)}; shown as n/a")
     if not any(row.comparable for row in rows):
-        present = sorted({f"{r.label}: {', '.join(c for c in (SYNC, ASYNC, ASYNC_EF) if r.stat(c))}" for r in rows})
+        present = sorted({f"{r.label}: {', '.join(c for c in CATEGORY_ORDER if r.present(c))}" for r in rows})
         raise CompareError(
             "cannot build a gap table: no optimizer has both a sync run and an async (or async+EF) run with a "
             "val/loss. Present: " + ("; ".join(present) or "nothing") + ". Add the missing modes "
             "(e.g. `lightning-async study` with modes [sync, delayed, delayed-ef])."
         )
     return warnings
+
+
+def _ends(ends: dict[str, list[int]]) -> str:
+    return ", ".join(f"{c} {'/'.join(map(str, steps))}" for c, steps in ends.items())
 
 
 # ---- formatting -------------------------------------------------------------------------------
@@ -254,9 +306,28 @@ def fmt_stat(stat: Stat | None, digits: int = 3) -> str:
     return text
 
 
+def fmt_cell(row: Row, category: str, digits: int = 3) -> str:
+    """A mode's cell: the loss statistic, with diverged runs marked (they are never in the mean)."""
+    text = fmt_stat(row.stat(category), digits)
+    diverged = row.diverged_runs(category)
+    if not diverged:
+        return text
+    if row.stat(category) is not None:
+        return f"{text}, {len(diverged)} DIVERGED"
+    if len(diverged) == 1:
+        step = diverged[0].divergence.step
+        return "DIVERGED" + ("" if step is None else f" at step {step}")
+    return f"DIVERGED (n={len(diverged)})"
+
+
+def _diverged_note(row: Row, *categories: str) -> str:
+    gone = [c for c in categories if row.stat(c) is None and row.diverged_runs(c)]
+    return f"n/a ({' and '.join(gone)} diverged)" if gone else "n/a"
+
+
 def fmt_gap(row: Row, digits: int = 3) -> str:
     if row.gap is None:
-        return "n/a"
+        return _diverged_note(row, SYNC, ASYNC)
     text = f"{row.gap:+.{digits}f}"
     if row.gap_pct is not None:
         text += f" ({row.gap_pct:+.1f}%)"
@@ -270,7 +341,7 @@ def fmt_recovered(row: Row) -> str:
     if row.recovered is None:
         if row.gap is not None and row.async_ef is not None and row.gap_is_zero:
             return "n/a (gap ~0)"
-        return "n/a"
+        return _diverged_note(row, SYNC, ASYNC, ASYNC_EF)
     text = f"{100 * row.recovered:.0f}%"
     seeds = row.recovered_seeds
     if seeds is not None and seeds.n > 1:
@@ -278,13 +349,14 @@ def fmt_recovered(row: Row) -> str:
     return text
 
 
-HEADERS = ("run group", "sync", "async", "async+EF", "gap (async-sync)", "EF recovered")
+HEADERS = ("run group", "step", "sync", "async", "async+EF", "gap (async-sync)", "EF recovered")
 
 
 def table_cells(rows: list[Row], digits: int = 3) -> list[list[str]]:
     return [
-        [row.label, fmt_stat(row.sync, digits), fmt_stat(row.async_, digits), fmt_stat(row.async_ef, digits),
-         fmt_gap(row, digits), fmt_recovered(row)]
+        [row.label, "n/a" if row.step is None else str(row.step)]
+        + [fmt_cell(row, c, digits) for c in CATEGORY_ORDER]
+        + [fmt_gap(row, digits), fmt_recovered(row)]
         for row in rows
     ]
 
@@ -296,7 +368,7 @@ def paper_cells(optimizers: list[str] | None = None) -> list[list[str]]:
         sync, asyn, ef = PAPER_REFERENCE[name]
         gap = asyn - sync
         rec = "n/a" if ef is None or abs(gap) < GAP_TOLERANCE else f"{100 * (asyn - ef) / gap:.0f}%"
-        cells.append([f"{name} (paper, 360M)", f"{sync:.3f}", f"{asyn:.3f}", "n/a" if ef is None else f"{ef:.3f}",
+        cells.append([f"{name} (paper, 360M)", "end", f"{sync:.3f}", f"{asyn:.3f}", "n/a" if ef is None else f"{ef:.3f}",
                       f"{gap:+.3f} ({100 * gap / sync:+.1f}%)", rec])
     return cells
 
@@ -341,13 +413,13 @@ def run_list_cells(runs: list[Run]) -> list[list[str]]:
             run.name, ident.optimizer, ident.mode, run.category, _g(ident.lr), str(ident.delay),
             f"{ident.ef_strength:g}", "-" if ident.seed is None else str(ident.seed),
             "-" if run.last_step is None else str(run.last_step),
-            "no val/loss" if loss is None else f"{loss:.4f}", "yes" if run.done else "no", str(run.path),
+            "no val/loss" if loss is None else f"{loss:.4f}", run.status, str(run.path),
         ])
     return cells
 
 
-RUN_HEADERS = ("run", "optimizer", "mode", "class", "lr", "delay", "EF", "seed", "last step", "final val/loss", "DONE",
-               "path")
+RUN_HEADERS = ("run", "optimizer", "mode", "class", "lr", "delay", "EF", "seed", "last step", "last val/loss",
+               "status", "path")
 
 
 def write_markdown(
@@ -364,7 +436,9 @@ def write_markdown(
     """``report.md``: the tables, notes, plots, the run list and the commands that produced them."""
     lines = ["# Sync vs async vs async+EF", ""]
     lines += [
-        "Final validation loss (`val/loss` at the last logged step), mean ± sample std over seeds. "
+        "Validation loss (`val/loss`) at the row's *step*: the last step at which every run of the row logged it "
+        "(the runs' final step when they have the same length), mean ± sample std over seeds. Diverged runs "
+        "(a `DIVERGED` marker or a non-finite loss) are marked DIVERGED and left out of every number. "
         "gap = async - sync (in % of sync). EF recovered = (async - async+EF) / (async - sync): "
         "100% means EF closes the whole gap, 0% means it does nothing, negative means it hurts; "
         f"n/a when a mode is missing or |gap| < {GAP_TOLERANCE:g}. Spreads of gap and recovered share are over "

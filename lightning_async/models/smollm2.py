@@ -135,8 +135,9 @@ class DecoderBlock(nn.Module):
         self.rope_theta = cfg.rope_theta
         self.head_dim = cfg.head_dim
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        cos, sin = rotary_tables(x.shape[1], self.head_dim, self.rope_theta, device=x.device)
+    def forward(self, x: torch.Tensor, context: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``context``: the RoPE ``(cos, sin)`` tables of :meth:`SmolLM2.pipeline_context` (computed here if None)."""
+        cos, sin = context if context is not None else rotary_tables(x.shape[1], self.head_dim, self.rope_theta, device=x.device)
         x = x + self.attn(self.attn_norm(x), cos, sin)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -183,10 +184,16 @@ class SmolLM2(nn.Module):
         units.append(("head", self.head))
         return units
 
+    def pipeline_context(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What every block needs besides its input: the RoPE ``(cos, sin)`` tables, once per forward (or per
+        pipeline stage and micro-batch) instead of once per block."""
+        return rotary_tables(input_ids.shape[1], self.config.head_dim, self.config.rope_theta, device=input_ids.device)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        context = self.pipeline_context(input_ids)
         x = self.embed(input_ids)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, context=context)
         return self.head(x)
 
 

@@ -1,5 +1,12 @@
 """Pipeline checkpoints: a directory with ``meta.json`` and one ``stage-NN.ckpt`` per stage.
 
+Writing is atomic as a directory: the stages write into ``<path>.partial``, then rank 0 writes
+``meta.json`` (the completion marker, always last) and renames the directory into place (an older
+checkpoint of the same name is moved to ``<path>.old`` for the instant of the swap, then removed). A crash
+at any moment leaves either the old or the new checkpoint whole; :func:`resolve` finds it even in the
+instant between the two renames. On load, every stage file must belong to the same step, schedule and
+split (:func:`mismatch`).
+
 :func:`consolidate` merges the stages' weights into the state dict of the plain, unsplit module, for
 evaluation or export (``CausalLM(...).load_state_dict(consolidate(path))``).
 """
@@ -8,18 +15,148 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+from collections.abc import Callable
 
 import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+MARKER = "meta.json"
+
+
+def stage_file(path: str | os.PathLike, stage: int) -> str:
+    return os.path.join(os.fspath(path), f"stage-{stage:02d}.ckpt")
+
+
+def staging_dir(path: str | os.PathLike) -> str:
+    """Where the stages write before the checkpoint is complete."""
+    return os.fspath(path) + ".partial"
+
+
+def _previous_dir(path: str | os.PathLike) -> str:
+    return os.fspath(path) + ".old"
+
+
+def is_complete(path: str | os.PathLike) -> bool:
+    return os.path.isfile(os.path.join(os.fspath(path), MARKER))
+
+
+def begin_save(path: str | os.PathLike) -> str:
+    """Rank 0, before any stage writes: an empty staging directory (a killed save's leftovers removed)."""
+    staging = staging_dir(path)
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
+    return staging
+
+
+def discard_save(path: str | os.PathLike) -> None:
+    """Remove the staging directory of a save that failed (any rank may call it)."""
+    shutil.rmtree(staging_dir(path), ignore_errors=True)
+
+
+def publish(path: str | os.PathLike, meta: dict) -> None:
+    """Rank 0, after every stage wrote its file: write the marker last, then move the checkpoint into place."""
+    path, staging = os.fspath(path), staging_dir(path)
+    marker = os.path.join(staging, MARKER)
+    with open(marker + ".tmp", "w") as f:
+        json.dump(meta, f, indent=1)
+    os.replace(marker + ".tmp", marker)
+    if os.path.exists(path):  # a checkpoint overwritten in place (``last.ckpt``)
+        previous = _previous_dir(path)
+        shutil.rmtree(previous, ignore_errors=True)
+        os.rename(path, previous)
+        os.rename(staging, path)
+        shutil.rmtree(previous)
+    else:
+        os.rename(staging, path)
+
+
+def resolve(path: str | os.PathLike) -> str:
+    """``path``, or the complete checkpoint a save left next to it if it crashed between its two renames."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        for candidate in (staging_dir(path), _previous_dir(path)):
+            if is_complete(candidate):
+                return candidate
+    return path
+
+
+def read_meta(path: str | os.PathLike) -> dict:
+    """``meta.json`` of a complete pipeline checkpoint; a clear error for anything else."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise ValueError(f"{path} is not a pipeline checkpoint directory (expected meta.json and stage-NN.ckpt files inside).")
+    if not is_complete(path):
+        raise ValueError(
+            f"Pipeline checkpoint {path} is incomplete: {MARKER}, written last, is missing (its save was interrupted). "
+            "Resume from an earlier checkpoint."
+        )
+    with open(os.path.join(path, MARKER)) as f:
+        return json.load(f)
+
+
+def load_stage(path: str | os.PathLike, stage: int, load: Callable[[str], dict] | None = None) -> dict:
+    """Stage ``stage``'s checkpoint dict; a damaged or missing file is named in the error."""
+    file = stage_file(path, stage)
+    if not os.path.isfile(file):
+        raise ValueError(f"Pipeline checkpoint {os.fspath(path)} is incomplete: {file} is missing.")
+    try:
+        return load(file) if load is not None else torch.load(file, map_location="cpu", weights_only=False)
+    except Exception as err:
+        raise ValueError(
+            f"Cannot read pipeline checkpoint file {file} ({type(err).__name__}: {err}). The file is damaged "
+            "(a truncated copy or an interrupted write): resume from another checkpoint."
+        ) from err
+
+
+def stage_identity(checkpoint: dict) -> dict:
+    """What must agree between the stage files of one checkpoint: step, schedule and split."""
+    pipeline = checkpoint.get("pipeline", {})
+    runtime = checkpoint.get("pipeline_runtime") or {}
+    return {
+        "stage": pipeline.get("stage"),
+        "global_step": checkpoint.get("global_step"),
+        "schedule": runtime.get("schedule", pipeline.get("schedule")),
+        "units": pipeline.get("units"),
+    }
+
+
+def mismatch(path: str | os.PathLike, identities: list[dict], meta: dict | None = None) -> str | None:
+    """Why the stage files (identities by stage) do not form one checkpoint, or None if they do."""
+    for stage, ident in enumerate(identities):
+        if ident["stage"] not in (None, stage):
+            return (
+                f"Pipeline checkpoint {os.fspath(path)} mixes stage files: {stage_file(path, stage)} holds stage "
+                f"{ident['stage']}. Resume from another checkpoint."
+            )
+    first = identities[0]
+    for key, what in (("global_step", "step"), ("schedule", "schedule"), ("units", "split into stages")):
+        values = [ident[key] for ident in identities]
+        if meta is not None and key in meta and meta[key] is not None:
+            expected = meta[key]
+        elif all(v == values[0] for v in values):
+            continue
+        else:
+            expected = first[key]
+        odd = [s for s, v in enumerate(values) if v != expected]
+        if odd:
+            files = ", ".join(f"{stage_file(path, s)} ({what} {values[s]})" for s in odd)
+            return (
+                f"Pipeline checkpoint {os.fspath(path)} mixes stage files: expected {what} {expected}, but {files}. "
+                "A checkpoint's stage files must come from one save: resume from another checkpoint."
+            )
+    return None
+
+
+def split_boundaries(stage_units: list[list[str]]) -> list[str]:
+    """The ``partition`` argument that reproduces ``stage_units``: the unit names where stages 1.. begin."""
+    return [units[0] for units in stage_units[1:]]
 
 
 def stage_files(path: str | os.PathLike) -> list[str]:
-    path = os.fspath(path)
-    meta_file = os.path.join(path, "meta.json")
-    if not os.path.isfile(meta_file):
-        raise FileNotFoundError(f"{path} is not a pipeline checkpoint: {meta_file} is missing.")
-    with open(meta_file) as f:
-        stages = json.load(f)["stages"]
-    files = [os.path.join(path, f"stage-{s:02d}.ckpt") for s in range(stages)]
+    path = resolve(path)
+    stages = read_meta(path)["stages"]
+    files = [stage_file(path, s) for s in range(stages)]
     missing = [f for f in files if not os.path.isfile(f)]
     if missing:
         raise FileNotFoundError(f"Pipeline checkpoint {path} is incomplete; missing {', '.join(missing)}.")
@@ -28,10 +165,40 @@ def stage_files(path: str | os.PathLike) -> list[str]:
 
 def consolidate(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The full model's ``state_dict`` (newest weights) from a pipeline checkpoint directory."""
+    files = stage_files(path)
+    path = os.path.dirname(files[0])
+    checkpoints = [load_stage(path, s) for s in range(len(files))]
+    problem = mismatch(path, [stage_identity(c) for c in checkpoints])
+    if problem:
+        raise ValueError(problem)
     merged: dict[str, torch.Tensor] = {}
-    for file in stage_files(path):
-        merged.update(torch.load(file, map_location="cpu", weights_only=False)["state_dict"])
+    for checkpoint in checkpoints:
+        merged.update(checkpoint["state_dict"])
     return merged
+
+
+def refuse_pipeline_checkpoint(path: str | os.PathLike | None) -> None:
+    """Raise a clear error if ``path`` is a pipeline checkpoint directory (for runs without the pipeline strategy)."""
+    if path is None or not os.path.isdir(os.fspath(path)):
+        return
+    path = os.fspath(path)
+    stages = sorted(f for f in os.listdir(path) if f.startswith("stage-") and f.endswith(".ckpt"))
+    if not stages and not is_complete(path):
+        return
+    raise ValueError(
+        f"{path} is a pipeline checkpoint (one file per stage: {len(stages)} stage file(s)); only the pipeline strategy "
+        f"can resume it. Resume with strategy=async_pipe (as many stages as it has), or evaluate/export its weights "
+        f"with `python -m lightning_async.pipeline.checkpoint {path} model.pt` and load model.pt into the plain module."
+    )
+
+
+class PipelineAwareCheckpointIO(TorchCheckpointIO):
+    """Lightning's checkpoint IO that refuses a pipeline checkpoint directory with a clear message (instead of
+    ``IsADirectoryError``) in runs without the pipeline strategy: ``Trainer(plugins=[PipelineAwareCheckpointIO()])``."""
+
+    def load_checkpoint(self, path, *args, **kwargs):
+        refuse_pipeline_checkpoint(path)
+        return super().load_checkpoint(path, *args, **kwargs)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -14,16 +15,23 @@ from lightning_async.pipeline.runtime import PipelineGroups
 _MADE: dict = {}
 
 
-def make_pipeline_groups(rank: int, world_size: int, pipeline_parallel_size: int) -> PipelineGroups:
-    """Create every group (all ranks must call this, in the same order) and return this rank's."""
+def make_pipeline_groups(
+    rank: int, world_size: int, pipeline_parallel_size: int, timeout: timedelta | None = None
+) -> PipelineGroups:
+    """Create every group (all ranks must call this, in the same order) and return this rank's.
+
+    ``timeout`` bounds every wait on these groups (sends, receives, reductions): a stage that stops answering
+    without dying (SIGSTOP, a stuck kernel) makes its peers raise ``PeerFailure`` after it. ``None``: torch's
+    default (30 minutes), not the default group's timeout.
+    """
     if world_size == 1 or not dist.is_initialized():
         return _empty(rank, world_size, pipeline_parallel_size)
     if _MADE.get("world") is not dist.group.WORLD:  # a new default group: the old groups died with it
         _MADE.clear()
         _MADE["world"] = dist.group.WORLD
-    key = (rank, world_size, pipeline_parallel_size)
+    key = (rank, world_size, pipeline_parallel_size, timeout)
     if key not in _MADE:
-        _MADE[key] = _make(rank, world_size, pipeline_parallel_size)
+        _MADE[key] = _make(rank, world_size, pipeline_parallel_size, timeout)
     return dataclasses.replace(_MADE[key])
 
 
@@ -34,22 +42,26 @@ def _empty(rank: int, world_size: int, pp: int) -> PipelineGroups:
     )
 
 
-def _make(rank: int, world_size: int, pp: int) -> PipelineGroups:
+def _make(rank: int, world_size: int, pp: int, timeout: timedelta | None) -> PipelineGroups:
     groups = _empty(rank, world_size, pp)
     dp = world_size // pp
+
+    def new_group(ranks: list[int]):
+        return dist.new_group(ranks, timeout=timeout)
+
     for replica in range(dp):
         ranks = [replica * pp + s for s in range(pp)]
-        p2p, pipeline = dist.new_group(ranks), dist.new_group(ranks)
-        tied = dist.new_group([ranks[0], ranks[-1]]) if pp > 1 else None
+        p2p, pipeline = new_group(ranks), new_group(ranks)
+        tied = new_group([ranks[0], ranks[-1]]) if pp > 1 else None
         if rank in ranks:
             groups.p2p, groups.pipeline, groups.tied = p2p, pipeline, tied
     if dp > 1:  # (with one replica there is nothing to average; every rank skips alike)
         for stage in range(pp):
             ranks = [replica * pp + stage for replica in range(dp)]
-            group = dist.new_group(ranks)
+            group = new_group(ranks)
             if rank in ranks:
                 groups.data_parallel = group
-    groups.metrics = dist.new_group(list(range(world_size)))
+    groups.metrics = new_group(list(range(world_size)))
     if groups.stage > 0:
         groups.prev_rank = rank - 1
     if groups.stage < pp - 1:

@@ -2,7 +2,7 @@
 
 Why not ``torch.distributed.pipelining.PipelineStage``: its communication helpers are private
 (``_batch_p2p``, ``_initialize_stage``) and its schedules clear their state every step, while 2BW keeps
-micro-batches in flight across steps. This layer is ~100 lines on public APIs only.
+micro-batches in flight across steps. This layer is ~200 lines on public APIs only.
 
 Ordering rule (NCCL-safe): a send that is followed by a receive from the same neighbour is posted in one
 ``batch_isend_irecv`` group (forward-send with backward-receive and vice versa, as Megatron does), so
@@ -21,39 +21,84 @@ their own. At most one receive is outstanding and it is consumed by the very nex
 from a neighbour are still posted in the order it sends. NCCL keeps the fused, matching-order groups
 above: an unmatched receive posted early on both sides of a pair could block each other's stream.
 
-Shapes: the first activation sent after a (re)start is preceded by a small header (dtype and shape);
-afterwards every message between the same pair has that shape.
+Boundary values (:mod:`~lightning_async.pipeline.boundary`): an activation is a tensor or a small pytree
+of tensors; every leaf is its own message of the same group. The first activation sent after a
+(re)start is preceded by a header (:class:`BoundarySpec`: structure, dtypes, shapes, which leaves
+carry gradients); afterwards every activation between the same pair must match it, and a stage whose
+output changes within a batch raises :class:`BoundaryChanged` before sending anything. Gradients travel
+back for the leaves that required grad only (integer leaves never do).
 """
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
-_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int8, torch.uint8]
-_HEADER_LEN = 10
+from lightning_async.pipeline.boundary import flatten, unflatten
 
 
 class PeerFailure(RuntimeError):
     """A neighbouring stage stopped answering (it died or raised)."""
 
 
+class BoundaryChanged(ValueError):
+    """A stage's output changed structure, dtype or shape between micro-batches of one batch."""
+
+
+@dataclass
+class BoundarySpec:
+    """What crosses one stage boundary: the pytree structure and each leaf's dtype, shape and requires_grad."""
+
+    structure: object
+    leaves: tuple[tuple[torch.dtype, torch.Size, bool], ...]
+
+    @staticmethod
+    def leaf_specs(tensors) -> tuple[tuple[torch.dtype, torch.Size, bool], ...]:
+        return tuple((x.dtype, x.shape, x.requires_grad) for x in tensors)
+
+    @property
+    def grads(self) -> list[tuple[torch.dtype, torch.Size]]:
+        """(dtype, shape) of the gradients that travel back: one per leaf that requires grad."""
+        return [(dtype, shape) for dtype, shape, requires_grad in self.leaves if requires_grad]
+
+    def describe(self) -> str:
+        return ", ".join(f"{str(d).removeprefix('torch.')}{list(s)}{' (grad)' if g else ''}" for d, s, g in self.leaves)
+
+    def encode(self) -> bytes:
+        leaves = [[str(d).removeprefix("torch."), list(s), g] for d, s, g in self.leaves]
+        return json.dumps({"structure": self.structure, "leaves": leaves}).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> "BoundarySpec":
+        raw = json.loads(data.decode())
+        leaves = tuple((getattr(torch, d), torch.Size(s), bool(g)) for d, s, g in raw["leaves"])
+        return cls(raw["structure"], leaves)
+
+
 class StageTransport:
-    """Sends and receives activations/gradients of one stage; ``prev``/``next`` are global ranks or None."""
+    """Sends and receives activations/gradients of one stage; ``prev``/``next`` are global ranks or None.
+
+    ``name`` describes this stage in error messages (e.g. ``"pipeline stage 1 (last unit 'blocks.3')"``).
+    """
 
     def __init__(
-        self, prev: int | None, next: int | None, group, device: torch.device, stage_of_rank, prepost: bool | None = None
+        self, prev: int | None, next: int | None, group, device: torch.device, stage_of_rank, prepost: bool | None = None,
+        name: str = "this pipeline stage",
     ) -> None:
         self.prev, self.next, self.group, self.device = prev, next, group, device
-        self.stage_of_rank = stage_of_rank
+        self.stage_of_rank, self.name = stage_of_rank, name
         #: post the next action's receive before the current action (default: on gloo only)
         self._gloo = dist.is_initialized() and dist.get_backend(group) == "gloo"
         self.prepost_enabled = self._gloo if prepost is None else prepost
         self.preposted = 0  # receives posted ahead so far (for tests and benchmarks)
-        self.act_spec: tuple[torch.Size, torch.dtype] | None = None  # what we receive from prev
-        self.sent_spec: tuple[torch.Size, torch.dtype] | None = None  # what we send to next (= grads we receive)
-        self._pending_sends: list[tuple[object, torch.Tensor, int]] = []  # (work, buffer kept alive, peer)
-        self._inbox: tuple[str, object | None, torch.Tensor, int] | None = None  # (kind, work or None, buffer, peer)
+        self.headers_sent = 0  # boundary specs announced so far (for tests)
+        self.act_spec: BoundarySpec | None = None  # what we receive from prev
+        self.sent_spec: BoundarySpec | None = None  # what we send to next (its gradients are what we receive)
+        self._pending_sends: list[tuple[list, list[torch.Tensor], int]] = []  # (works, buffers kept alive, peer)
+        self._inbox: tuple[str, list | None, list[torch.Tensor], int] | None = None  # (kind, works or None, buffers, peer)
 
     @property
     def prepost_enabled(self) -> bool:
@@ -80,15 +125,15 @@ class StageTransport:
         if self._inbox is not None:
             raise RuntimeError(f"a received {self._inbox[0]!r} was never consumed; the schedule and transport disagree")
         pending, self._pending_sends = self._pending_sends, []
-        for work, _, peer in pending:
-            self._wait([work], peer)
+        for works, _, peer in pending:
+            self._wait(works, peer)
 
     def abandon(self) -> None:
         """Forget a received or pre-posted message after a failed call (the pipeline will not continue)."""
         self._inbox = None
 
     def _reap(self) -> None:
-        self._pending_sends = [entry for entry in self._pending_sends if not entry[0].is_completed()]
+        self._pending_sends = [entry for entry in self._pending_sends if not all(w.is_completed() for w in entry[0])]
 
     # -- helpers --------------------------------------------------------------------------------
     def _wait(self, works, peer: int) -> None:
@@ -101,78 +146,98 @@ class StageTransport:
                 "Look at that rank's log for the original error."
             ) from err
 
-    def _header(self, tensor: torch.Tensor) -> torch.Tensor:
-        header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
-        header[0] = _DTYPES.index(tensor.dtype)
-        header[1] = tensor.ndim
-        header[2 : 2 + tensor.ndim] = torch.tensor(tensor.shape)
-        return header.to(self.device)
+    def _send_header(self, spec: BoundarySpec, peer: int) -> None:
+        self.headers_sent += 1
+        payload = torch.tensor(list(spec.encode()), dtype=torch.uint8, device=self.device)
+        length = torch.tensor([payload.numel()], dtype=torch.int64, device=self.device)
+        for tensor in (length, payload):
+            self._pending_sends.append(([dist.isend(tensor, peer, group=self.group)], [tensor], peer))
 
-    def _exchange_header(self, tensor: torch.Tensor | None, peer: int, sending: bool) -> tuple[torch.Size, torch.dtype]:
-        if sending:
-            header = self._header(tensor)
-            self._pending_sends.append((dist.isend(header, peer, group=self.group), header, peer))
-            return tensor.shape, tensor.dtype
-        header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
-        self._wait([dist.irecv(header, peer, group=self.group)], peer)
-        header = header.cpu()
-        ndim = int(header[1])
-        return torch.Size(header[2 : 2 + ndim].tolist()), _DTYPES[int(header[0])]
+    def _receive_header(self, peer: int) -> BoundarySpec:
+        length = torch.empty(1, dtype=torch.int64, device=self.device)
+        self._wait([dist.irecv(length, peer, group=self.group)], peer)
+        payload = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
+        self._wait([dist.irecv(payload, peer, group=self.group)], peer)
+        return BoundarySpec.decode(payload.cpu().numpy().tobytes())
 
-    def _buffer(self, kind: str) -> torch.Tensor:
-        shape, dtype = self.act_spec if kind == "act" else self.sent_spec
-        return torch.empty(shape, dtype=dtype, device=self.device)
+    def _activation_tensors(self, value) -> list[torch.Tensor]:
+        """The leaves of ``value`` to send, after announcing (first time) or checking (afterwards) its spec."""
+        leaves, structure = flatten(value, self.name)
+        specs = BoundarySpec.leaf_specs(leaves)
+        if self.sent_spec is None:
+            self.sent_spec = BoundarySpec(structure, specs)
+            self._send_header(self.sent_spec, self.next)
+        elif specs != self.sent_spec.leaves or structure != self.sent_spec.structure:
+            raise BoundaryChanged(
+                f"The output of {self.name} changed within a batch: it was {self.sent_spec.describe()} and is now "
+                f"{BoundarySpec(structure, specs).describe()}. Every micro-batch of a batch must cross a stage boundary "
+                "with the same structure, dtypes and shapes (only a new batch shape announces new ones): make the "
+                "units' outputs depend on the batch's shape only, e.g. pad to a fixed length."
+            )
+        return [x.detach().contiguous() for x in leaves]
 
     # -- API ------------------------------------------------------------------------------------
-    def exchange(self, send: torch.Tensor | None, send_kind: str | None, recv: str | None = None) -> None:
-        """Send ``send`` (an ``"act"`` to next or a ``"grad"`` to prev) and/or receive ``recv`` in one group.
+    def exchange(self, send, send_kind: str | None, recv: str | None = None) -> None:
+        """Send ``send`` and/or receive ``recv`` in one group.
 
-        A received tensor is waited for here and handed out by the next :meth:`receive` of its kind.
+        ``send`` is an ``"act"`` (a boundary value, to next) or a ``"grad"`` (a list of tensors, one per leaf
+        of the received activation that requires grad, to prev). A received message is waited for here and
+        handed out by the next :meth:`receive` of its kind.
         """
         self._reap()
-        ops = []
+        ops, sent = [], []
         if send is not None:
             send_peer = self.next if send_kind == "act" else self.prev
-            if send_kind == "act" and self.sent_spec is None:
-                self.sent_spec = self._exchange_header(send, send_peer, sending=True)
-            send = send.contiguous()
-            ops.append(dist.P2POp(dist.isend, send, send_peer, group=self.group))
+            sent = self._activation_tensors(send) if send_kind == "act" else [g.contiguous() for g in send]
+            ops += [dist.P2POp(dist.isend, x, send_peer, group=self.group) for x in sent]
         if recv is not None:
-            out, recv_peer = self._recv_buffer(recv)
-            ops.append(dist.P2POp(dist.irecv, out, recv_peer, group=self.group))
+            out, recv_peer = self._recv_buffers(recv)
+            ops += [dist.P2POp(dist.irecv, x, recv_peer, group=self.group) for x in out]
+            self._inbox = (recv, None, out, recv_peer)
         if not ops:
             return
         works = dist.batch_isend_irecv(ops)
-        if send is not None:
-            self._pending_sends.append((works[0], send, send_peer))
-        if recv is not None:
-            self._wait(works[-1:], recv_peer)
-            self._inbox = (recv, None, out, recv_peer)
+        if len(works) == len(ops):
+            send_works, recv_works = works[: len(sent)], works[len(sent) :]
+        else:  # coalesced (NCCL): one work for the whole group
+            send_works = recv_works = works
+        if sent:
+            self._pending_sends.append((send_works, sent, send_peer))
+        if recv is not None and out:
+            self._wait(recv_works, recv_peer)
 
     def prepost(self, kind: str) -> bool:
         """Post the receive of the next ``kind`` message now, unwaited (when enabled and its shape is known)."""
         spec = self.act_spec if kind == "act" else self.sent_spec
         if not self.prepost_enabled or spec is None or self._inbox is not None:
             return False
-        out, peer = self._recv_buffer(kind)
-        self._inbox = (kind, dist.irecv(out, peer, group=self.group), out, peer)
+        out, peer = self._recv_buffers(kind)
+        self._inbox = (kind, [dist.irecv(x, peer, group=self.group) for x in out], out, peer)
         self.preposted += 1
         return True
 
-    def receive(self, kind: str) -> torch.Tensor:
-        """The next ``"act"`` (from prev) or ``"grad"`` (from next): already received, pre-posted, or fetched now."""
+    def receive(self, kind: str):
+        """The next ``"act"`` (from prev; a boundary value) or ``"grad"`` (from next; a list of tensors), already
+        received, pre-posted, or fetched now. Received activation leaves that carried gradients require grad."""
         if self._inbox is None:
             self.exchange(None, None, kind)
-        got, work, out, peer = self._inbox
+        got, works, out, peer = self._inbox
         if got != kind:
             raise RuntimeError(f"expected to receive {kind!r} but {got!r} is outstanding; the schedule and transport disagree")
         self._inbox = None
-        if work is not None:
-            self._wait([work], peer)
-        return out
+        if works is not None:
+            self._wait(works, peer)
+        if kind == "grad":
+            return out
+        for x, (_, _, requires_grad) in zip(out, self.act_spec.leaves):
+            x.requires_grad_(requires_grad)
+        return unflatten(out, self.act_spec.structure)
 
-    def _recv_buffer(self, kind: str) -> tuple[torch.Tensor, int]:
-        peer = self.prev if kind == "act" else self.next
-        if kind == "act" and self.act_spec is None:
-            self.act_spec = self._exchange_header(None, peer, sending=False)
-        return self._buffer(kind), peer
+    def _recv_buffers(self, kind: str) -> tuple[list[torch.Tensor], int]:
+        if kind == "act":
+            if self.act_spec is None:
+                self.act_spec = self._receive_header(self.prev)
+            specs, peer = [(d, s) for d, s, _ in self.act_spec.leaves], self.prev
+        else:
+            specs, peer = self.sent_spec.grads, self.next
+        return [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in specs], peer

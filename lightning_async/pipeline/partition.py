@@ -8,6 +8,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from lightning_async.pipeline.boundary import NO_CONTEXT, call_unit, flatten, takes_context, unflatten
+
 PARTITION_METHODS = ("uniform", "parameters", "time")
 
 
@@ -70,20 +72,33 @@ def boundaries_from_names(unit_names: Sequence[str], stage_starts: Sequence[str]
     return starts
 
 
-def measure_unit_times(units: Sequence[nn.Module], example: torch.Tensor, repeats: int = 2) -> list[float]:
-    """Forward+backward seconds of each unit, feeding each unit the previous unit's output."""
-    times, x = [], example
+def measure_unit_times(
+    units: Sequence[nn.Module], example, repeats: int = 2, context_fn: Callable | None = None
+) -> list[float]:
+    """Forward+backward seconds of each unit, feeding each unit the previous unit's output.
+
+    ``example`` (the first unit's input) and the outputs may be tensors or small pytrees of tensors
+    (:mod:`~lightning_async.pipeline.boundary`); ``context_fn`` is the module's ``pipeline_context``, handed to
+    the units whose forward takes ``context``.
+    """
+    context = NO_CONTEXT if context_fn is None else context_fn(example)
+    times, value = [], example
     for unit in units:
+        unit_context = context if takes_context(unit) else NO_CONTEXT
+        leaves, structure = flatten(value)
         best = float("inf")
         for _ in range(repeats):
-            inp = x.detach().requires_grad_(x.is_floating_point())
+            inp = unflatten([x.detach().requires_grad_(x.is_floating_point()) for x in leaves], structure)
             start = time.perf_counter()
-            out = unit(inp)
-            out.float().sum().backward()
+            out = call_unit(unit, inp, unit_context)
+            grad_leaves = [x for x in flatten(out, "Pipeline unit")[0] if x.requires_grad]
+            if grad_leaves:
+                torch.autograd.backward([x.float().sum() for x in grad_leaves])
             best = min(best, time.perf_counter() - start)
         unit.zero_grad(set_to_none=True)
         times.append(best)
-        x = out.detach()
+        out_leaves, out_structure = flatten(out)
+        value = unflatten([x.detach() for x in out_leaves], out_structure)
     return times
 
 
@@ -91,14 +106,16 @@ def partition_units(
     units: Sequence[tuple[str, nn.Module]],
     num_stages: int,
     method: str | Sequence[str] = "uniform",
-    example_input: torch.Tensor | None = None,
-    time_fn: Callable[[Sequence[nn.Module], torch.Tensor], list[float]] = measure_unit_times,
+    example_input=None,
+    time_fn: Callable[..., list[float]] = measure_unit_times,
+    context_fn: Callable | None = None,
 ) -> list[list[str]]:
     """Assign ``units`` to ``num_stages`` stages; returns the unit names of each stage.
 
     ``method``: ``"uniform"`` (same number of units), ``"parameters"`` (balanced parameter count),
-    ``"time"`` (balanced measured forward+backward time; needs ``example_input``), or a list of the
-    unit names at which stages 1.. begin.
+    ``"time"`` (balanced measured forward+backward time; needs ``example_input``, a tensor or small pytree,
+    and the module's ``pipeline_context`` as ``context_fn`` if it has one), or a list of the unit names at
+    which stages 1.. begin.
     """
     names = [name for name, _ in units]
     if not isinstance(method, str):
@@ -116,7 +133,9 @@ def partition_units(
     elif method == "time":
         if example_input is None:
             raise ValueError("partition='time' needs an example input batch to measure the units.")
-        starts = balanced_boundaries(time_fn([m for _, m in units], example_input), num_stages)
+        timed = [m for _, m in units]
+        times = time_fn(timed, example_input) if context_fn is None else time_fn(timed, example_input, context_fn=context_fn)
+        starts = balanced_boundaries(times, num_stages)
     else:
         raise ValueError(
             f"Unknown partition method {method!r}. Use one of {', '.join(PARTITION_METHODS)} or a list of unit names."

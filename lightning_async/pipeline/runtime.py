@@ -22,26 +22,50 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
+from torch.utils.checkpoint import checkpoint
 
 from lightning_async.optim.delayed_step import delayed_step, scheduled_values
 from lightning_async.optim.error_feedback import ErrorFeedbackCorrection
 from lightning_async.pipeline import schedules
+from lightning_async.pipeline.boundary import NO_CONTEXT, call_unit, flatten, rows, signature, split_rows, takes_context, unit_arguments
 from lightning_async.pipeline.p2p import PeerFailure, StageTransport
 from lightning_async.pipeline.schedules import BACKWARD, FORWARD, UPDATE
 
 
 class StageModule(nn.Module):
-    """The units of one stage, applied in order."""
+    """The units of one stage, applied in order (see :mod:`~lightning_async.pipeline.boundary`).
+
+    ``forward(value, context, recompute)``: each unit gets the previous unit's value spread as arguments,
+    plus ``context=`` if its forward takes one and a context is given. With ``recompute`` each unit's
+    forward is checkpointed (recomputed in the backward) with the weights it ran with: under
+    ``functional_call`` those are the weight slot swapped in, not the module's own (newest) parameters.
+    """
 
     def __init__(self, units: Sequence[tuple[str, nn.Module]]) -> None:
         super().__init__()
         self.unit_names = [name for name, _ in units]
         self.units = nn.ModuleList(module for _, module in units)
+        self.takes_context = [takes_context(module) for _, module in units]
 
-    def forward(self, x):
-        for unit in self.units:
-            x = unit(x)
-        return x
+    def forward(self, value, context=NO_CONTEXT, recompute: bool = False):
+        for name, unit, wants_context in zip(self.unit_names, self.units, self.takes_context):
+            unit_context = context if wants_context else NO_CONTEXT
+            if recompute:
+                weights = dict(unit.named_parameters())  # the slot functional_call put in, bound for the recompute
+                value = checkpoint(_call_with, unit, weights, value, unit_context, use_reentrant=False)
+            elif unit_context is NO_CONTEXT and isinstance(value, torch.Tensor):
+                value = unit(value)  # the single-tensor path, as before
+            else:
+                value = call_unit(unit, value, unit_context)
+            if not isinstance(value, torch.Tensor):
+                flatten(value, f"Pipeline unit {name!r}")  # refuses anything but a small pytree of tensors
+        return value
+
+
+def _call_with(unit: nn.Module, weights: dict[str, torch.Tensor], value, context):
+    """``unit(value)`` with ``weights`` in place of its parameters (what a checkpoint recomputes)."""
+    args, kwargs = unit_arguments(value, context)
+    return functional_call(unit, weights, args, kwargs)
 
 
 def build_stage(
@@ -161,6 +185,11 @@ class PipelineRuntime:
         tied_parameters: names (in ``stage_module``) of weights shared between first and last stage.
         count_tied_in_norm: whether this stage counts the tied weights in the global norm.
         autocast: context manager factory for forwards (e.g. bf16 autocast).
+        device: where activations live (default: the stage's parameters' device).
+        context_fn: the module's ``pipeline_context(inputs)``: evaluated on this stage for every micro-batch and
+            passed as ``context=`` to the units whose forward takes it (``None``: no context).
+        activation_checkpointing: recompute each unit's forward in the backward instead of keeping its
+            activations (only each unit's input stays in flight); the update rule is unchanged.
     """
 
     def __init__(
@@ -178,6 +207,8 @@ class PipelineRuntime:
         count_tied_in_norm: bool = True,
         autocast: Callable = contextlib.nullcontext,
         device: torch.device | None = None,
+        context_fn: Callable | None = None,
+        activation_checkpointing: bool = False,
     ) -> None:
         self.groups = groups or PipelineGroups()
         schedules.validate(schedule, self.groups.num_stages, num_microbatches)
@@ -191,6 +222,8 @@ class PipelineRuntime:
         self.clip = gradient_clip_val or None
         self.correction = error_feedback
         self.autocast = autocast
+        self.context_fn = context_fn
+        self.activation_checkpointing = bool(activation_checkpointing)
         self.device = device or next(stage_module.parameters()).device
         named = dict(stage_module.named_parameters())
         self.names = list(named)
@@ -199,15 +232,19 @@ class PipelineRuntime:
         self.count_tied_in_norm = count_tied_in_norm
         g = self.groups
         self.is_first, self.is_last = g.stage == 0, g.stage == g.num_stages - 1
-        self.transport = StageTransport(g.prev_rank, g.next_rank, g.p2p, self.device, g.stage_of_rank)
+        last_unit = stage_module.unit_names[-1] if getattr(stage_module, "unit_names", None) else None
+        self.transport = StageTransport(
+            g.prev_rank, g.next_rank, g.p2p, self.device, g.stage_of_rank,
+            name=f"pipeline stage {g.stage}" + (f" (last unit {last_unit!r})" if last_unit else ""),
+        )
         versions = 2 if schedule == "2bw" else 1
         self.slots = [[p.detach().clone().requires_grad_(True) for p in self.params] for _ in range(versions)]
         for p, t in zip(self.params, self.slots[-1]):
             p.data = t.data  # the module's parameters always show the newest weights
         self.batches_done = 0  # training calls finished
         self.fresh = True  # pipeline empty: the next call starts with warmup
-        self.batch_shape: torch.Size | None = None
-        self._inflight: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # mb -> (input, output)
+        self.batch_shape: tuple | None = None  # signature (structure, dtypes, shapes) of the last batch's inputs
+        self._inflight: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # mb -> (inputs, outputs) with grads
         self._pending: dict[int, _PendingUpdate] = {}
         self._hyper: dict[int, list[dict]] = {}
         self._losses: list[torch.Tensor] = []
@@ -224,26 +261,33 @@ class PipelineRuntime:
         return [p.data for p in self.params]
 
     # ---- actions --------------------------------------------------------------------------------
-    def _forward(self, mb: int, batch: int, x: torch.Tensor, targets, training: bool) -> torch.Tensor:
+    def _forward(self, mb: int, batch: int, x, inputs, targets, training: bool):
+        """Run this stage on ``x`` (the received value, or the micro-batch ``inputs`` on the first stage)."""
         slot = self._slot(batch) if training else self.newest()
         weights = dict(zip(self.names, slot))
-        if training and not self.is_first:
-            x = x.detach().requires_grad_(x.is_floating_point())
+        kwargs = {"recompute": True} if training and self.activation_checkpointing else {}
         with self.autocast():
-            y = functional_call(self.module, weights, (x,))
+            if self.context_fn is not None:  # under autocast, as in the module's own forward
+                kwargs["context"] = self.context_fn(inputs)
+            y = functional_call(self.module, weights, (x,), kwargs)
             if self.is_last:
                 y = self.loss_fn(y, targets)
         if training:
-            self._inflight[mb] = (x, y)
+            grad_inputs = [] if self.is_first else [t for t in flatten(x)[0] if t.requires_grad]
+            grad_outputs = [y] if self.is_last else [t for t in flatten(y)[0] if t.requires_grad]
+            self._inflight[mb] = (grad_inputs, grad_outputs)
         return y
 
-    def _backward(self, mb: int, grad: torch.Tensor | None) -> torch.Tensor | None:
-        x, y = self._inflight.pop(mb)
+    def _backward(self, mb: int, grads: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+        """Backward of micro-batch ``mb``; the gradients of its received leaves (``None`` on the first stage)."""
+        inputs, outputs = self._inflight.pop(mb)
         if self.is_last:
-            (y / self.m).backward()
-        else:
-            torch.autograd.backward(y, grad)
-        return x.grad if not self.is_first else None
+            (outputs[0] / self.m).backward()
+        elif outputs:
+            torch.autograd.backward(outputs, grads)
+        if self.is_first:
+            return None
+        return [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs]
 
     def _record_loss(self, batch: int, loss: torch.Tensor) -> None:
         self._losses.append(loss.detach().float())
@@ -342,13 +386,19 @@ class PipelineRuntime:
         )
 
     # ---- calls ------------------------------------------------------------------------------------
-    def _microbatches(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[list, list]:
-        if inputs.shape[0] % self.m:
+    def _microbatches(self, inputs, targets) -> tuple[list, list]:
+        size = rows(inputs)
+        if size % self.m:
             raise ValueError(
-                f"Batch size {inputs.shape[0]} is not divisible by n_microbatches={self.m}; "
+                f"Batch size {size} is not divisible by n_microbatches={self.m}; "
                 "choose a batch size that is a multiple of n_microbatches."
             )
-        return list(inputs.chunk(self.m)), list(targets.chunk(self.m))
+        if rows(targets) != size:
+            raise ValueError(
+                f"The batch's inputs have {size} rows but its targets {rows(targets)}; pipeline_split_batch must "
+                "return inputs and targets of the same batch size."
+            )
+        return split_rows(inputs, self.m), split_rows(targets, self.m)
 
     def _run(self, actions: Sequence[schedules.Action], training: bool = True) -> None:
         try:
@@ -375,11 +425,11 @@ class PipelineRuntime:
             if action.kind == FORWARD:
                 x = inputs[i] if self.is_first else t.receive("act")
                 preposted = needs is not None and t.prepost(needs)
-                y = self._forward(action.microbatch, action.batch, x, targets[i], training)
+                y = self._forward(action.microbatch, action.batch, x, inputs[i], targets[i], training)
                 if self.is_last:
                     self._record_loss(action.batch, y)
                     continue
-                t.exchange(y.detach(), "act", "grad" if needs == "grad" and not preposted else None)
+                t.exchange(y, "act", "grad" if needs == "grad" and not preposted else None)
             else:  # BACKWARD
                 grad = None if self.is_last else t.receive("grad")
                 preposted = needs is not None and t.prepost(needs)
@@ -402,7 +452,7 @@ class PipelineRuntime:
         """Run the call for the next training batch (2BW: without flushing the pipeline)."""
         b = self.batches_done
         inputs, targets = self.split_batch(batch_data)
-        shape = inputs.shape
+        shape = signature(inputs)
         if not self.fresh and shape != self.batch_shape:
             self.drain()  # a new shape needs a fresh pipeline (and a new header exchange)
         self.batch_shape = shape
@@ -451,20 +501,22 @@ class PipelineRuntime:
         """
         self.drain()
         inputs, targets = self.split_batch(batch_data)
-        chunks = [(x, y) for x, y in zip(inputs.tensor_split(self.m), targets.tensor_split(self.m)) if len(x)]
+        rows(inputs), rows(targets)  # every leaf has the batch dimension first
+        pieces = zip(split_rows(inputs, self.m, even=False), split_rows(targets, self.m, even=False))
+        chunks = [(x, y) for x, y in pieces if rows(x)]
         t = self.transport
         total, count = torch.zeros((), device=self.device), 0
-        rows = None
+        shape = None
         with torch.no_grad():
             for i, (x, target) in enumerate(chunks):
-                if len(x) != rows:  # every rank holds the batch, so all agree when a new shape (and header) comes
+                if signature(x) != shape:  # every rank holds the batch, so all agree when a new shape (and header) comes
                     t.reset()
-                    rows = len(x)
-                x = x if self.is_first else t.receive("act")
-                y = self._forward(i, -1, x, target, training=False)
+                    shape = signature(x)
+                value = x if self.is_first else t.receive("act")
+                y = self._forward(i, -1, value, x, target, training=False)
                 if self.is_last:
-                    total += y.float() * len(target)
-                    count += len(target)
+                    total += y.float() * rows(target)
+                    count += rows(target)
                 else:
                     t.exchange(y, "act", None)
         t.reset()

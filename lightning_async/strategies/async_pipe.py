@@ -9,7 +9,6 @@ process-group connection are Lightning's own, inherited from ``DDPStrategy``.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from datetime import timedelta
@@ -18,15 +17,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.connectors.signal_connector import _get_sigkill_signal
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import nn
 
+from lightning_async.callbacks.divergence import DivergenceGuard
 from lightning_async.optim.error_feedback import ErrorFeedbackCorrection
+from lightning_async.pipeline import checkpoint as pipeline_checkpoint
 from lightning_async.pipeline import schedules
 from lightning_async.pipeline.groups import make_pipeline_groups
+from lightning_async.pipeline.p2p import PeerFailure
 from lightning_async.pipeline.partition import partition_units
 from lightning_async.pipeline.runtime import PipelineRuntime, StageModule, build_stage
 
@@ -47,7 +53,21 @@ class NotOnThisStage(nn.Module):
         return f"{self.unit!r} on stage {self.stage}"
 
 
-class _PipelineSpawnLauncher(_MultiProcessingLauncher):
+class _ValidateBeforeLaunch:
+    """Checks the configuration in the launching process before the other ranks start: a refused configuration
+    must not leave ranks running on (each would re-run the whole script, data and model included, first)."""
+
+    def launch(self, function, *args, trainer=None, **kwargs):
+        if trainer is not None:
+            trainer.strategy.validate_mesh()
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+
+class _PipelineScriptLauncher(_ValidateBeforeLaunch, _SubprocessScriptLauncher):
+    """Lightning's script re-running launcher (CLI), validating first."""
+
+
+class _PipelineSpawnLauncher(_ValidateBeforeLaunch, _MultiProcessingLauncher):
     """Lightning's spawn launcher hands rank 0's ``state_dict`` back to the main process; under a pipeline
     rank 0 holds only stage 0, so every stage's weights are gathered first."""
 
@@ -61,6 +81,15 @@ class _PipelineSpawnLauncher(_MultiProcessingLauncher):
             del module.state_dict
 
 
+def _add_divergence_guard(trainer) -> None:
+    """A pipeline never trains on silently after a non-finite loss: without a ``DivergenceGuard`` of the user's,
+    one with ``stop=True`` is added (before the checkpoint callbacks, so the diverged step is not saved)."""
+    if any(isinstance(cb, DivergenceGuard) for cb in trainer.callbacks):
+        return
+    first_checkpoint = next((i for i, cb in enumerate(trainer.callbacks) if isinstance(cb, Checkpoint)), len(trainer.callbacks))
+    trainer.callbacks.insert(first_checkpoint, DivergenceGuard(stop=True))
+
+
 def check_pipeline_contract(module: nn.Module) -> None:
     missing = [name for name in CONTRACT if not callable(getattr(module, name, None))]
     if missing:
@@ -69,6 +98,21 @@ def check_pipeline_contract(module: nn.Module) -> None:
             "Define pipeline_units() -> [(name, module), ...], pipeline_split_batch(batch) -> (inputs, targets) and "
             "pipeline_loss(outputs, targets) -> loss (see docs/pipeline.md)."
         )
+
+
+def _checked_timeout(timeout: timedelta | float | None) -> timedelta | None:
+    """``timeout`` as a ``timedelta``; a clear error for a value that is not a positive duration."""
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+    if timeout is not None and (not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds <= 0):
+        raise ValueError(
+            f"timeout must be a positive number of seconds (how long a stage waits for another before it gives up), "
+            f"got {seconds!r}."
+        )
+    return None if timeout is None else timedelta(seconds=seconds)
+
+
+class StageTerminated(SIGTERMException):
+    """SIGTERM reached this pipeline stage; it stopped at the next batch boundary (exit status 1, with the message)."""
 
 
 class AsyncPipelineStrategy(DDPStrategy):
@@ -82,7 +126,14 @@ class AsyncPipelineStrategy(DDPStrategy):
         partition: ``"uniform"``, ``"parameters"``, ``"time"`` or the unit names where stages 1.. begin.
         error_feedback: EF strength (2bw only); usually set by the ``ErrorFeedback`` callback.
         extrapolate_weight_decay: whether EF extrapolates decoupled weight decay.
+        activation_checkpointing: recompute each pipeline unit's forward in the backward, so a stage keeps only
+            its units' inputs for the micro-batches in flight (less memory, about one more forward of compute).
         start_method: ``"popen"`` (re-run the script: CLI, torchrun, SLURM) or ``"spawn"`` (notebooks, tests).
+        timeout: seconds any wait on another rank may last (every send, receive and collective of the pipeline's
+            groups) before it raises ``PeerFailure`` naming the silent stage.
+
+    Fitting adds ``DivergenceGuard(stop=True)`` unless the trainer has a ``DivergenceGuard`` already: a non-finite
+    loss stops every rank at the same step (pass ``DivergenceGuard(stop=False)`` to keep training).
     """
 
     strategy_name = "async_pipe"
@@ -96,16 +147,19 @@ class AsyncPipelineStrategy(DDPStrategy):
         partition: str | list[str] = "uniform",
         error_feedback: float = 0.0,
         extrapolate_weight_decay: bool = True,
+        activation_checkpointing: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta | int | None = 300,
         start_method: str = "popen",
         **kwargs: Any,
     ) -> None:
-        if isinstance(timeout, (int, float)):
-            timeout = timedelta(seconds=timeout)
-        super().__init__(process_group_backend=process_group_backend, timeout=timeout, start_method=start_method, **kwargs)
         if schedule not in schedules.SCHEDULES:
-            raise ValueError(f"Unknown pipeline schedule {schedule!r}. Choose one of: {', '.join(schedules.SCHEDULES)}.")
+            raise ValueError(
+                f"Unknown pipeline schedule {schedule!r}. Choose one of: {', '.join(schedules.SCHEDULES)} "
+                "(or strategy='async_pipe', 'sync_pipe', 'gpipe_pipe')."
+            )
+        timeout = _checked_timeout(timeout)
+        super().__init__(process_group_backend=process_group_backend, timeout=timeout, start_method=start_method, **kwargs)
         if error_feedback and schedule != "2bw":
             raise ValueError(f"error_feedback needs the delayed schedule '2bw'; schedule {schedule!r} has no delay.")
         self.schedule = schedule
@@ -114,6 +168,7 @@ class AsyncPipelineStrategy(DDPStrategy):
         self.partition = partition
         self.error_feedback = float(error_feedback)
         self.extrapolate_weight_decay = extrapolate_weight_decay
+        self.activation_checkpointing = bool(activation_checkpointing)
         self.runtime: PipelineRuntime | None = None
         self.stage_units: list[list[str]] = []
 
@@ -191,6 +246,8 @@ class AsyncPipelineStrategy(DDPStrategy):
         super()._configure_launcher()
         if isinstance(self._launcher, _MultiProcessingLauncher):
             self._launcher = _PipelineSpawnLauncher(self, start_method=self._start_method)
+        elif isinstance(self._launcher, _SubprocessScriptLauncher):
+            self._launcher = _PipelineScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def gather_full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unsplit module's state dict (newest weights) on global rank 0; other ranks get their own part.
@@ -231,11 +288,7 @@ class AsyncPipelineStrategy(DDPStrategy):
                 "accumulate_grad_batches must be 1 with a pipeline strategy: raise n_microbatches (and the batch size) instead."
             )
         self.accelerator.setup(trainer)
-        # Lightning 2.6 broadcasts a SIGTERM flag from rank 0 before every training batch. A blocking
-        # world collective per step would hold the stages in lockstep (and deadlock against the 2BW
-        # stream, where the stages are in different batches at the same moment); each rank receives
-        # the scheduler's SIGTERM itself, so the per-step broadcast is switched off.
-        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
+        self._stop_on_sigterm(trainer)
         if self.data_parallel_size == 1:
             # Every stage must read the same batches in the same order as a single-device run (so the
             # two can be compared step for step). Lightning would insert a shuffling DistributedSampler
@@ -263,12 +316,13 @@ class AsyncPipelineStrategy(DDPStrategy):
             module._lightning_async_split = {"stage_units": self.stage_units, "tied": tied}
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        groups = make_pipeline_groups(self.global_rank, self.world, self.pipeline_parallel_size)
+        groups = make_pipeline_groups(self.global_rank, self.world, self.pipeline_parallel_size, timeout=self._timeout)
         rank_zero_info(
             f"async_pipe: schedule={self.schedule}, stages={self.pipeline_parallel_size}, replicas={self.data_parallel_size}, "
             f"micro-batches={self.n_microbatches}; stage units: {self.stage_units}"
         )
         if trainer.state.fn == TrainerFn.FITTING:
+            _add_divergence_guard(trainer)
             self.setup_optimizers(trainer)
             if len(self.optimizers) != 1:
                 raise ValueError("The pipeline strategy supports exactly one optimizer per stage (use the zoo's composite optimizers).")
@@ -305,7 +359,42 @@ class AsyncPipelineStrategy(DDPStrategy):
             count_tied_in_norm=self.stage == 0,
             autocast=self.precision_plugin.forward_context,
             device=self.root_device,
+            context_fn=getattr(module, "pipeline_context", None),
+            activation_checkpointing=self.activation_checkpointing,
         )
+
+    def _stop_on_sigterm(self, trainer) -> None:
+        """SIGTERM to any rank stops the whole pipeline within seconds, with exit status 1.
+
+        Lightning 2.6 broadcasts a SIGTERM flag from rank 0 before every training batch, and from its signal
+        handler. Under a pipeline both hang: a world collective per step would hold the stages in lockstep (and
+        deadlock against the 2BW stream, where the stages are in different batches at the same moment), and a
+        handler on a rank other than 0 would wait for a broadcast rank 0 never makes. So the signalled rank
+        stops by itself at its next batch boundary (after a checkpoint save in progress, which stays whole) and
+        the ranks it started get the signal too; the other stages raise ``PeerFailure`` once it has gone.
+        """
+        self._sigterm_received = False
+
+        def on_sigterm(signum, frame) -> None:
+            if not self._sigterm_received and self._launcher is not None and getattr(self._launcher, "procs", None):
+                self._launcher.kill(signum)
+            self._sigterm_received = True
+
+        def stop_if_terminated() -> None:
+            if self._sigterm_received:
+                raise StageTerminated(
+                    f"SIGTERM: pipeline stage {self.stage} (global rank {self.global_rank}) stopped at step "
+                    f"{trainer.global_step}. The other stages stop when they notice (PeerFailure, within timeout)."
+                )
+
+        trainer._signal_connector._sigterm_notifier_fn = on_sigterm  # registered after setup
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = stop_if_terminated
+
+    def on_exception(self, exception: BaseException) -> None:
+        """The launching process (rank 0 of Lightning's script launcher) ends the ranks it started: none outlives it."""
+        super().on_exception(exception)
+        if isinstance(self._launcher, _SubprocessScriptLauncher) and getattr(self._launcher, "procs", None):
+            self._launcher.kill(_get_sigkill_signal())
 
     def _synchronize_initial_weights(self, groups, stage_module: StageModule, tied: list[str]) -> None:
         """Tied copies start equal to stage 0's, replicas to replica 0's (the strategy has no DDP wrapper to do it)."""
@@ -407,32 +496,93 @@ class AsyncPipelineStrategy(DDPStrategy):
         return self.lightning_module.state_dict()
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options=None) -> None:
-        """A directory with one file per stage (``stage-NN.ckpt``) plus ``meta.json``."""
+        """A directory with one file per stage (``stage-NN.ckpt``) plus ``meta.json``, written atomically.
+
+        The stages write into ``<filepath>.partial``; rank 0 writes ``meta.json`` last and renames the directory
+        into place (:mod:`lightning_async.pipeline.checkpoint`). A save that fails (a rank died or stopped
+        answering) removes its partial directory on every surviving rank; the previous checkpoints stay whole.
+        """
         filepath = str(filepath)
-        if self.data_parallel_rank == 0:
-            os.makedirs(filepath, exist_ok=True)
-            if self.runtime is not None:
-                checkpoint["pipeline_runtime"] = self.runtime.state_dict()
-            checkpoint["pipeline"] = {"stage": self.stage, "stages": self.pipeline_parallel_size, "units": self.stage_units}
-            self.checkpoint_io.save_checkpoint(checkpoint, os.path.join(filepath, f"stage-{self.stage:02d}.ckpt"))
-            if self.stage == 0:
-                meta = {"stages": self.pipeline_parallel_size, "units": self.stage_units, "schedule": self.schedule}
-                with open(os.path.join(filepath, "meta.json"), "w") as f:
-                    json.dump(meta, f, indent=1)
-        self.barrier("save_checkpoint")
+        try:
+            if self.global_rank == 0:
+                pipeline_checkpoint.begin_save(filepath)
+            self._checkpoint_barrier("prepared", filepath)
+            if self.data_parallel_rank == 0:
+                if self.runtime is not None:
+                    checkpoint["pipeline_runtime"] = self.runtime.state_dict()
+                checkpoint["pipeline"] = {
+                    "stage": self.stage, "stages": self.pipeline_parallel_size, "units": self.stage_units, "schedule": self.schedule,
+                }
+                staged = pipeline_checkpoint.stage_file(pipeline_checkpoint.staging_dir(filepath), self.stage)
+                self.checkpoint_io.save_checkpoint(checkpoint, staged)
+            self._checkpoint_barrier("written", filepath)
+            if self.global_rank == 0:
+                meta = {
+                    "stages": self.pipeline_parallel_size, "units": self.stage_units, "schedule": self.schedule,
+                    "global_step": checkpoint.get("global_step"),
+                }
+                pipeline_checkpoint.publish(filepath, meta)
+            self._checkpoint_barrier("published", filepath)
+        except BaseException:
+            pipeline_checkpoint.discard_save(filepath)
+            raise
+
+    def _checkpoint_barrier(self, what: str, filepath: str) -> None:
+        try:
+            self.barrier(f"pipeline_checkpoint_{what}")
+        except Exception as err:
+            raise PeerFailure(
+                f"A pipeline rank stopped answering while checkpoint {filepath} was saved ({err}). The partial save is "
+                "removed; earlier checkpoints are whole. Look at the other ranks' logs for the original error."
+            ) from err
 
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict[str, Any]:
-        path = str(checkpoint_path)
-        if not os.path.isdir(path):
-            raise ValueError(f"{path} is not a pipeline checkpoint directory (expected stage-NN.ckpt files inside).")
-        with open(os.path.join(path, "meta.json")) as f:
-            meta = json.load(f)
-        if meta["stages"] != self.pipeline_parallel_size:
-            raise ValueError(
-                f"Checkpoint {path} has {meta['stages']} stages, this run has {self.pipeline_parallel_size}. "
-                "Resume with the same pipeline_parallel_size, or consolidate it with lightning_async.pipeline.checkpoint."
+        """This stage's file of a pipeline checkpoint directory (a collective: every rank checks its file, and all
+        refuse alike, before training, a checkpoint that is incomplete, damaged, mixed or split differently)."""
+        path = pipeline_checkpoint.resolve(str(checkpoint_path))
+        checkpoint, identity, problem = None, None, None
+        try:
+            meta = pipeline_checkpoint.read_meta(path)
+            if meta["stages"] != self.pipeline_parallel_size:
+                raise ValueError(
+                    f"Checkpoint {path} has {meta['stages']} stages, this run has {self.pipeline_parallel_size}. "
+                    "Resume with the same pipeline_parallel_size, or consolidate it with lightning_async.pipeline.checkpoint."
+                )
+            checkpoint = pipeline_checkpoint.load_stage(
+                path, self.stage, lambda file: self.checkpoint_io.load_checkpoint(file, weights_only=False)
             )
-        return self.checkpoint_io.load_checkpoint(os.path.join(path, f"stage-{self.stage:02d}.ckpt"), weights_only=False)
+            identity = pipeline_checkpoint.stage_identity(checkpoint)
+        except ValueError as err:
+            meta, problem = None, str(err)
+        reports = [(self.stage, problem, identity)]
+        if dist.is_initialized() and self.world > 1:
+            reports = [None] * self.world
+            dist.all_gather_object(reports, (self.stage, problem, identity))
+        problems = list(dict.fromkeys(p for _, p, _ in reports if p))
+        if problems:
+            raise ValueError(" ".join(problems))
+        by_stage = {stage: ident for stage, _, ident in reports}
+        problem = pipeline_checkpoint.mismatch(path, [by_stage[s] for s in range(self.pipeline_parallel_size)], meta)
+        if problem:
+            raise ValueError(problem)
+        self._check_resumable(path, identity)
+        return checkpoint
+
+    def _check_resumable(self, path: str, identity: dict) -> None:
+        """The checkpoint's split (and, to train on, its schedule) must be this run's."""
+        saved = identity["units"]
+        if saved is not None and [list(u) for u in saved] != [list(u) for u in self.stage_units]:
+            raise ValueError(
+                f"Checkpoint {path} splits the model into stages as {saved}, this run as {self.stage_units} "
+                f"(partition={self.partition!r}). Resume with the checkpoint's split: "
+                f"partition={pipeline_checkpoint.split_boundaries(saved)!r} (the units where stages 1.. begin)."
+            )
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        if fitting and identity["schedule"] not in (None, self.schedule):
+            raise ValueError(
+                f"Checkpoint {path} was written with schedule {identity['schedule']!r}, this run uses {self.schedule!r}: "
+                "resume with the same schedule (evaluation may use any)."
+            )
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)

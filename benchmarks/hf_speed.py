@@ -1,0 +1,196 @@
+"""Training speed of a Hugging Face Llama (``HFCausalLM``) against our own ``tiny`` ``CausalLM``, same shape.
+
+Both models: hidden 128, 4 layers, 4 heads, 2 KV heads, MLP 384, vocabulary 257, tied embeddings (the HF one
+is ``recipes/models/hf-llama-tiny.yaml``; 820,480 parameters each). Measured in one run, interleaved round by
+round (A, B, A, B, ...) so that a busy machine slows both alike. Reported: tokens/s of each model's fastest
+round, and the ratio HF / ours as the median over rounds of the two adjacent rounds' ratio (1.0 = same speed;
+robust to load that drifts during the run):
+
+* ``single``: one process, one thread, AdamW, plain training steps (forward + backward + step);
+* ``pipeline``: 2 gloo processes (one thread each), PipeDream-2BW (``PipelineRuntime``, schedule ``2bw``), both
+  split before their third layer (embedding + 2 layers | 2 layers + final norm + head: the same work per stage;
+  ``partition="uniform"`` would not give that, since the HF model's final norm is a unit of its own), the HF
+  model with its ``pipeline_context``;
+* ``units``: forward + backward time of one decoder layer/block and of the head, per micro-batch, to show
+  where a gap comes from.
+
+    python benchmarks/hf_speed.py --json runs/hf_speed.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import yaml
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from lightning_async.lm import CausalLM  # noqa: E402
+from lightning_async.models.objective import next_token_loss, split_next_token  # noqa: E402
+from lightning_async.optim import build_optimizer  # noqa: E402
+from lightning_async.pipeline.groups import make_pipeline_groups  # noqa: E402
+from lightning_async.pipeline.local import run_local  # noqa: E402
+from lightning_async.pipeline.partition import partition_units  # noqa: E402
+from lightning_async.pipeline.runtime import PipelineRuntime, build_stage  # noqa: E402
+
+RECIPE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "recipes", "models", "hf-llama-tiny.yaml")
+VOCAB = 257
+MODELS = ("ours", "hf")
+SECOND_STAGE_STARTS = {"ours": ["model.blocks.2"], "hf": ["model.model.layers.2"]}
+
+
+def build(kind: str):
+    torch.manual_seed(0)
+    if kind == "ours":
+        return CausalLM(model="tiny", vocab_size=VOCAB)
+    from lightning_async.models.hf import HFCausalLM
+
+    with open(RECIPE) as f:
+        config = yaml.safe_load(f)["model"]["init_args"]["model"]
+    return HFCausalLM(config, vocab_size=VOCAB)
+
+
+def batches(n: int, batch_size: int, seq_len: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (batch_size, seq_len + 1), generator=g) for _ in range(n)]
+
+
+def optimizer(named):
+    return build_optimizer("adamw", named, lr=1e-4, weight_decay=0.1)
+
+
+def speeds(seconds: dict[str, list[float]], tokens: int) -> dict:
+    """Tokens/s of each model's fastest round and the median ratio HF / ours of adjacent rounds."""
+    out = {k: tokens / min(v) for k, v in seconds.items()}
+    out["ratio"] = statistics.median(ours / hf for ours, hf in zip(seconds["ours"], seconds["hf"]))
+    out["rounds"] = seconds
+    return out
+
+
+# ---- one device ----------------------------------------------------------------------------------
+def single_round(module, opt, data: list[torch.Tensor]) -> float:
+    """Seconds for the training steps on ``data``."""
+    start = time.perf_counter()
+    for batch in data:
+        inputs, targets = split_next_token(batch)
+        next_token_loss(module(inputs), targets).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
+
+
+def unit_times(module, batch: torch.Tensor, reps: int) -> dict[str, float]:
+    """Median forward+backward seconds of the first decoder layer and of the head unit(s) on one batch."""
+    from lightning_async.pipeline.boundary import NO_CONTEXT, call_unit, takes_context
+
+    inputs, _ = split_next_token(batch)
+    units = module.pipeline_units()
+    context = module.pipeline_context(inputs) if hasattr(module, "pipeline_context") else NO_CONTEXT
+    with torch.no_grad():
+        hidden = units[0][1](inputs)
+    heads = units[-2:] if len(units) > 6 else units[-1:]  # HF: norm + lm_head; ours: head (norm inside)
+    out = {}
+    for label, chosen in (("layer", [units[1]]), ("head", heads), ("context", None)):
+        times = []
+        for _ in range(reps):
+            x = hidden.detach().requires_grad_(True)
+            t0 = time.perf_counter()
+            if chosen is None:
+                if context is not NO_CONTEXT:
+                    module.pipeline_context(inputs)
+            else:
+                for _, unit in chosen:
+                    x = call_unit(unit, x, context if takes_context(unit) else NO_CONTEXT)
+                x.float().sum().backward()
+            times.append(time.perf_counter() - t0)
+        module.zero_grad(set_to_none=True)
+        out[label] = statistics.median(times)
+    return out
+
+
+def run_single(args) -> dict:
+    torch.set_num_threads(1)
+    data = batches(args.steps, args.batch_size, args.seq_len)
+    modules = {k: build(k) for k in MODELS}
+    opts = {k: optimizer(m.named_parameters()) for k, m in modules.items()}
+    for k in MODELS:
+        single_round(modules[k], opts[k], data[:2])  # warm-up
+    seconds = {k: [] for k in MODELS}
+    for _ in range(args.rounds):
+        for k in MODELS:
+            seconds[k].append(single_round(modules[k], opts[k], data))
+    out = speeds(seconds, args.steps * args.batch_size * args.seq_len)
+    out["units"] = {k: unit_times(modules[k], data[0], reps=20) for k in MODELS}
+    out["parameters"] = {k: modules[k].num_parameters() for k in MODELS}
+    return out
+
+
+# ---- 2-stage 2BW pipeline ------------------------------------------------------------------------
+def stage_runtime(kind: str, stages: int, m: int) -> PipelineRuntime:
+    rank = dist.get_rank()
+    module = build(kind)
+    units = module.pipeline_units()
+    split = partition_units(units, stages, SECOND_STAGE_STARTS[kind])
+    stage_module, tied = build_stage(units, split, rank)
+    return PipelineRuntime(
+        stage_module, optimizer(stage_module.named_parameters()), "2bw", m, split_next_token, next_token_loss, make_pipeline_groups(rank, stages, stages),
+        tied_parameters=tied, count_tied_in_norm=rank == 0, context_fn=module.pipeline_context,
+    )
+
+
+def pipeline_worker(args_dict: dict) -> dict:
+    args = argparse.Namespace(**args_dict)
+    data = batches(args.steps, args.batch_size, args.seq_len)
+    runtimes = {k: stage_runtime(k, 2, args.microbatches) for k in MODELS}
+    seconds = {k: [] for k in MODELS}
+    for r in range(args.rounds + 1):
+        for k in MODELS:
+            rt = runtimes[k]
+            dist.barrier()
+            start = time.perf_counter()
+            for batch in data:
+                rt.train_batch(batch)
+            rt.drain()
+            dist.barrier()
+            if r:  # round 0 warms up
+                seconds[k].append(time.perf_counter() - start)
+    return speeds(seconds, args.steps * args.batch_size * args.seq_len)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=10, help="training steps per round")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds per model (median reported)")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--skip-pipeline", action="store_true")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+    results = {"args": vars(args), "single": run_single(args)}
+    if not args.skip_pipeline:
+        results["pipeline"] = run_local(2, pipeline_worker, vars(args), timeout=1800)[0]
+    rows = [("single device", results["single"])] + ([("2-stage 2BW pipeline", results["pipeline"])] if "pipeline" in results else [])
+    print(f"{'setting':24s} {'ours tok/s':>12s} {'HF tok/s':>12s} {'HF / ours':>10s}")
+    for label, r in rows:
+        print(f"{label:24s} {r['ours']:12.0f} {r['hf']:12.0f} {r['ratio']:10.3f}")
+    units = results["single"]["units"]
+    print("\nper micro-batch forward+backward, ms (one thread):")
+    for part in ("layer", "head", "context"):
+        print(f"  {part:8s} ours {units['ours'][part] * 1e3:8.2f}   HF {units['hf'][part] * 1e3:8.2f}")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""``DivergenceGuard``: stop (or flag) a run whose training loss or gradient norm is not finite.
+
+On the first non-finite value it writes ``DIVERGED`` (JSON: ``step`` as in ``metrics.csv``, ``metric``,
+``value`` as a string such as ``"nan"``) into the logger's ``log_dir`` on rank 0, which ``study`` and ``compare`` read. With
+``stop=True`` (the default) every rank raises :class:`Diverged` naming the step, so the fit exits non-zero.
+
+Under a pipeline strategy the guard watches the loss only: it reaches every rank through the runtime's
+reduction at the same step (one step late under 2BW), so every rank stops at the same step and none is
+left waiting for another. The gradient norm is not watched there, because each stage applies (and logs)
+a batch's update at its own moment; a non-finite norm makes the next loss non-finite anyway.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_warn
+
+from lightning_async.callbacks.delay import _is_pipeline
+
+MARKER = "DIVERGED"
+LOSS, GRAD_NORM = "train/loss", "train/grad_norm"
+
+
+class Diverged(RuntimeError):
+    """Training produced a non-finite loss or gradient norm."""
+
+
+def _training_loss(outputs) -> torch.Tensor | None:
+    if isinstance(outputs, dict):
+        outputs = outputs.get("loss")
+    return outputs if isinstance(outputs, torch.Tensor) else None
+
+
+def _logged_step(trainer: Trainer) -> int:
+    """The step under which the loggers record this batch's metrics (the ``step`` column of ``metrics.csv``)."""
+    stepped = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", None)
+    return int(stepped) if stepped is not None else max(0, trainer.global_step - 1)
+
+
+class DivergenceGuard(Callback):
+    """Stop at the first non-finite training loss (or gradient norm) with a message naming the step.
+
+    Args:
+        stop: raise :class:`Diverged` on every rank (the fit exits non-zero); ``False``: only write
+            ``DIVERGED`` and warn once, and keep training.
+    """
+
+    def __init__(self, stop: bool = True) -> None:
+        self.stop = stop
+        self.diverged: dict | None = None  # {"step", "metric", "value"} of the first non-finite value
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.diverged = None
+
+    def _watched(self, trainer: Trainer, outputs) -> dict[str, torch.Tensor]:
+        metrics = trainer.callback_metrics
+        watched = {}
+        loss = metrics.get(LOSS, _training_loss(outputs))
+        if loss is not None:
+            watched[LOSS] = loss
+        if GRAD_NORM in metrics and not _is_pipeline(trainer):
+            watched[GRAD_NORM] = metrics[GRAD_NORM]
+        return watched
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
+        if self.diverged is not None and not self.stop:
+            return  # recorded once; keep going
+        for metric, value in self._watched(trainer, outputs).items():
+            value = float(value.detach().float().cpu()) if isinstance(value, torch.Tensor) else float(value)
+            if math.isfinite(value):
+                continue
+            step = _logged_step(trainer)
+            self.diverged = {"step": step, "metric": metric, "value": str(value)}
+            where = self._record(trainer)
+            message = (
+                f"Training diverged: {metric} = {value} at step {step}.{where} Lower the learning rate "
+                "(or clip gradients); to keep training anyway, use DivergenceGuard(stop=False) (CLI: --divergence.stop false)."
+            )
+            if self.stop:
+                raise Diverged(message)
+            rank_zero_warn(message)
+            return
+
+    def _record(self, trainer: Trainer) -> str:
+        """Write ``DIVERGED`` into the run's log directory (rank 0); returns a sentence saying where."""
+        log_dir = getattr(trainer.logger, "log_dir", None)
+        if not log_dir:
+            return ""
+        if trainer.is_global_zero:
+            os.makedirs(log_dir, exist_ok=True)
+            with open(os.path.join(log_dir, MARKER), "w") as f:
+                json.dump(self.diverged, f)
+        return f" The run is marked {os.path.join(log_dir, MARKER)}."

@@ -1,0 +1,261 @@
+"""The ``lightning-async`` command on bad input: one clear ``error:`` line and a non-zero exit, never a
+traceback or a silently wrong run; and the ``model`` section taking any LightningModule."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torch import nn
+
+from lightning_async.cli import EXIT_BAD_INPUT, EXIT_SIGTERM, check_sequence_length, main, run_cli
+from lightning_async.lm import CausalLM
+
+REPO = Path(__file__).resolve().parents[1]
+QUICKSTART = str(REPO / "recipes/quickstart.yaml")
+PIPELINE = str(REPO / "recipes/pipeline/async.yaml")
+
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory) -> list[str]:
+    cache = tmp_path_factory.mktemp("cache")
+    return ["--data.max_chars", "400000", "--data.val_batches", "2", "--data.progress", "false",
+            "--data.cache_dir", str(cache), "--trainer.enable_progress_bar", "false",
+            "--trainer.enable_model_summary", "false"]
+
+
+def run_main(capsys, *args: str) -> tuple[int, str]:
+    try:
+        rc = main(list(args))
+    except SystemExit as exit_:  # jsonargparse's own parse errors
+        rc = exit_.code
+    captured = capsys.readouterr()
+    return rc, captured.out + captured.err
+
+
+def fit(tmp_path: Path, small_data: list[str], *args: str) -> list[str]:
+    return ["fit", "--config", QUICKSTART, "--trainer.max_steps", "2",
+            "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"), *small_data, *args]
+
+
+# ---- errors raised while building the classes of the config ------------------------------------
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--config", PIPELINE, "--trainer.strategy.init_args.schedule", "zzz"],
+         "AsyncPipelineStrategy: Unknown pipeline schedule 'zzz'. Choose one of: gpipe, 1f1b, 2bw"),
+        (["--model.model", "huge"], "CausalLM: Unknown model config 'huge'"),
+        (["--data.source", "nowhere"], "TextDataModule: unknown data source 'nowhere'"),
+    ],
+    ids=["schedule", "model", "data"],
+)
+def test_constructor_errors_reach_the_user_as_their_own_message(tmp_path, capsys, small_data, args, message):
+    rc, output = run_main(capsys, *fit(tmp_path, small_data, *args))
+    assert rc == EXIT_BAD_INPUT
+    assert f"error: {message}" in output
+    assert "Namespace(" not in output and "Traceback" not in output and "Union subtypes" not in output
+
+
+def test_the_traceback_of_a_constructor_error_on_request(tmp_path, small_data, monkeypatch):
+    monkeypatch.setenv("LIGHTNING_ASYNC_TRACEBACK", "1")
+    with pytest.raises(ValueError, match="Unknown pipeline schedule 'zzz'") as info:
+        main(fit(tmp_path, small_data, "--config", PIPELINE, "--trainer.strategy.init_args.schedule", "zzz"))
+    frames = [str(entry.path) for entry in info.traceback]
+    assert "lightning_async" in frames[-1] and not frames[-1].endswith("cli.py")  # where the strategy raised it
+
+
+# ---- checks of the command line and the recipes ---------------------------------------------------
+@pytest.mark.parametrize("flag", ["--model.vocab_size", "--model.init_args.vocab_size"])
+def test_setting_the_model_vocabulary_points_to_the_data_module(tmp_path, capsys, small_data, flag):
+    rc, output = run_main(capsys, *fit(tmp_path, small_data, flag, "100"))
+    assert rc == EXIT_BAD_INPUT
+    assert "always comes from the data module" in output and "--data.token_vocab_size" in output
+    assert "is not callable" not in output
+
+
+@pytest.mark.parametrize(
+    "text, messages",
+    [
+        ("model:\n  vocab_size: 100\n", ["error: recipe {recipe} sets the model's vocab_size"]),
+        ("model:\n  init_args:\n    vocab_size: 100\n", ["error: recipe {recipe} sets the model's vocab_size"]),
+        ("model:\n  lr: [1, 2\n", ["error: recipe {recipe} is not valid YAML", 'in "{recipe}", line 2']),
+        ("- a list\n", ["error: recipe {recipe} must be a mapping of sections"]),
+    ],
+    ids=["vocab", "vocab-init-args", "yaml-syntax", "not-a-mapping"],
+)
+def test_a_bad_recipe_is_refused_by_name(tmp_path, capsys, small_data, text, messages):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(text)
+    rc, output = run_main(capsys, *fit(tmp_path, small_data, "--config", str(recipe)))
+    assert rc == EXIT_BAD_INPUT
+    for message in messages:
+        assert message.format(recipe=recipe) in output
+
+
+def test_seq_len_above_the_models_maximum_is_refused_before_training(tmp_path, capsys, small_data):
+    rc, output = run_main(capsys, *fit(tmp_path, small_data, "--data.seq_len", "4096"))
+    assert rc == EXIT_BAD_INPUT
+    assert "data.seq_len = 4096 is longer than the model's maximum sequence length (CausalLM.max_seq_len = 512)" in output
+    assert "--model.model_overrides '{max_seq_len: 4096}'" in output
+    assert not (tmp_path / "runs").exists()  # refused before the trainer started
+
+
+def test_seq_len_up_to_the_maximum_is_accepted():
+    class Windows:
+        seq_len = 512
+
+    check_sequence_length(CausalLM("tiny", vocab_size=257), Windows())  # tiny: max_seq_len 512
+    Windows.seq_len = 4096
+    check_sequence_length(CausalLM("tiny", vocab_size=257, model_overrides={"max_seq_len": 4096}), Windows())
+
+
+def test_fit_stopped_by_sigterm_exits_non_zero(tmp_path):
+    """Lightning turns SIGTERM into a SystemExit without a code (exit status 0): the CLI returns 143."""
+    cmd = [sys.executable, "-m", "lightning_async.cli", "fit", "--config", QUICKSTART, "--trainer.max_steps", "100000",
+           "--trainer.val_check_interval", "100000", "--trainer.enable_progress_bar", "false",
+           "--data.max_chars", "400000", "--data.val_batches", "2", "--data.progress", "false",
+           "--data.cache_dir", str(tmp_path / "cache")]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=dict(os.environ, PYTHONWARNINGS="ignore"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list((tmp_path / "runs").rglob("events.out.tfevents.*")):  # written once fit has begun
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.2)
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == EXIT_SIGTERM, stderr[-3000:]
+    assert "stopped by SIGTERM" in stderr
+    assert not list((tmp_path / "runs").rglob("DONE"))  # compare/study must not count it as finished
+
+
+# ---- any LightningModule in the model section -----------------------------------------------------------
+class BagOfTokens(LightningModule):
+    """The smallest model the CLI can train: an embedding and a read-out predicting the next token."""
+
+    def __init__(self, vocab_size: int | None = None, width: int = 16, lr: float = 0.05) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.embed = nn.Embedding(vocab_size, width)
+        self.out = nn.Linear(width, vocab_size)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        logits = self.out(self.embed(batch[:, :-1]))
+        loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        self.log("train/loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+
+BAG = f"{BagOfTokens.__module__}.{BagOfTokens.__qualname__}"
+
+
+def test_the_model_section_takes_any_lightning_module(tmp_path, small_data):
+    recipe = tmp_path / "bag.yaml"
+    recipe.write_text(f"model:\n  class_path: {BAG}\n  init_args:\n    width: 8\n")
+    cli = run_cli(fit(tmp_path, small_data, "--config", str(recipe), "--model.lr", "0.1",
+                      "--trainer.limit_val_batches", "0"))
+    assert type(cli.model) is BagOfTokens
+    assert (cli.model.hparams.vocab_size, cli.model.hparams.width, cli.model.hparams.lr) == (257, 8, 0.1)
+    assert cli.model.embed.num_embeddings == 257  # linked from the byte tokenizer
+    assert cli.trainer.global_step == 2
+
+
+def test_a_recipe_without_class_path_is_a_causal_lm(tmp_path, small_data):
+    cli = run_cli(fit(tmp_path, small_data, "--config", str(REPO / "recipes/optimizers/muon.yaml"),
+                      "--model.lr", "1e-3", "--trainer.max_steps", "1", "--trainer.limit_val_batches", "0"))
+    assert type(cli.model) is CausalLM
+    hp = cli.model.hparams
+    assert (hp.optimizer, hp.lr, hp.vocab_size, hp.optimizer_kwargs["adamw_lr"]) == ("muon", 1e-3, 257, 0.003)
+    assert cli.trainer.global_step == 1
+
+
+def test_a_class_path_given_on_the_command_line(tmp_path, small_data):
+    cli = run_cli(fit(tmp_path, small_data, "--model", BAG, "--model.width", "4", "--trainer.max_steps", "1",
+                      "--trainer.limit_val_batches", "0"))
+    assert type(cli.model) is BagOfTokens and cli.model.hparams.width == 4 and cli.model.hparams.vocab_size == 257
+
+
+def test_fit_prints_no_warning_about_the_args_parameter(tmp_path, small_data, monkeypatch):
+    """`main` hands sys.argv[1:] to LightningCLI itself; LightningCLI used to warn about `args` on every fit."""
+    monkeypatch.setattr(sys, "argv", ["lightning-async", *fit(tmp_path, small_data, "--trainer.max_steps", "1",
+                                                                "--trainer.limit_val_batches", "0")])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main() == 0
+    assert not [w for w in caught if "args parameter" in str(w.message)]
+
+
+# ---- probe and simulate ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "args, where",
+    [(["--config", PIPELINE], f"recipe {PIPELINE}"),
+     (["--set", "trainer.strategy=sync_pipe"], "--set trainer.strategy=sync_pipe")],
+    ids=["recipe", "set"],
+)
+def test_probe_refuses_a_pipeline_recipe(tmp_path, capsys, args, where):
+    from lightning_async.probe import probe_main
+
+    rc = probe_main(["--config", QUICKSTART, *args, "--dry-run", "--output", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert f"error: {where} trains with a pipeline strategy (AsyncPipelineStrategy)" in err
+    assert "--set trainer.strategy=auto --set trainer.devices=1" in err
+
+
+def test_probe_accepts_a_pipeline_recipe_switched_back_to_one_device(tmp_path, capsys):
+    from lightning_async.probe import probe_main
+
+    rc = probe_main(["--config", QUICKSTART, "--config", PIPELINE, "--set", "trainer.strategy=auto",
+                     "--set", "trainer.devices=1", "--dry-run", "--output", str(tmp_path)])
+    assert rc == 0
+    assert capsys.readouterr().out.count("--trainer.strategy=auto") == 3  # every leg on one device
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--forward-ms", "-5"], "--forward-ms must be > 0, got -5"),
+        (["--forward-ms", "10", "--backward-ms", "-1"], "--backward-ms must be >= 0, got -1"),
+        (["--forward-ms", "10", "--comm-ms", "-0.5"], "--comm-ms must be >= 0, got -0.5"),
+        (["--forward-ms", "10", "--update-ms", "-2"], "--update-ms must be >= 0, got -2"),
+        (["--forward-ms", "nan"], "--forward-ms must be > 0, got nan"),
+        (["--tflops", "-1"], "--tflops must be > 0, got -1"),
+        (["--backward-ms", "20"], "--backward-ms needs --forward-ms"),
+        (["--forward-ms", "10", "--model", "tiny"], "give either --forward-ms"),
+    ],
+)
+def test_simulate_refuses_impossible_costs(capsys, args, message):
+    from lightning_async.simulate import simulate_main
+
+    assert simulate_main(args) == 2
+    captured = capsys.readouterr()
+    assert f"error: {message}" in captured.err
+    assert "bubble" not in captured.out  # no table with negative bubbles
+
+
+def test_simulate_json_into_a_missing_directory_creates_it(tmp_path, capsys):
+    from lightning_async.simulate import simulate_main
+
+    target = tmp_path / "plans" / "new" / "plan.json"
+    assert simulate_main(["--forward-ms", "10", "--stages", "2", "--json", str(target)]) == 0
+    assert [(r["p"], r["m"]) for r in json.loads(target.read_text())["rows"]] == [(2, 2), (2, 4), (2, 8)]
+    (tmp_path / "taken").write_text("")
+    assert simulate_main(["--forward-ms", "10", "--json", str(tmp_path / "taken" / "plan.json")]) == 2
+    assert "cannot create its directory" in capsys.readouterr().err
