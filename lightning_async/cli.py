@@ -28,10 +28,11 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-import lightning_async.strategies  # noqa: F401  (registers async_pipe / sync_pipe)
-from lightning_async.callbacks import DelaySimulation, ErrorFeedback, RunTelemetry
+from lightning_async.strategies import AsyncPipelineStrategy  # (importing registers async_pipe / sync_pipe)
+from lightning_async.callbacks import DelaySimulation, DivergenceGuard, ErrorFeedback, RunTelemetry
 from lightning_async.data import TextDataModule
 from lightning_async.lm import CausalLM
+from lightning_async.pipeline.checkpoint import refuse_pipeline_checkpoint
 from lightning_async.recipes_index import RecipeNotFound, resolve_config_args
 
 # subcommand -> (module, function); imported lazily so `fit` does not pay for matplotlib & co.
@@ -166,6 +167,7 @@ class AsyncCLI(LightningCLI):
         parser.add_lightning_class_args(ErrorFeedback, "error_feedback")
         parser.set_defaults({"error_feedback.strength": 0.0})
         parser.add_lightning_class_args(RunTelemetry, "telemetry")
+        parser.add_lightning_class_args(DivergenceGuard, "divergence")  # on by default; --divergence.stop false
         parser.set_defaults({"model": {"class_path": DEFAULT_MODEL}})
         parser.link_arguments("data.vocab_size", "model.init_args.vocab_size", apply_on="instantiate")
 
@@ -202,6 +204,11 @@ class AsyncCLI(LightningCLI):
 
     def after_instantiate_classes(self) -> None:
         check_sequence_length(self.model, self.datamodule)
+        if not isinstance(self.trainer.strategy, AsyncPipelineStrategy):
+            try:
+                refuse_pipeline_checkpoint(self.config_init.get(self.subcommand, {}).get("ckpt_path"))
+            except ValueError as err:
+                raise CLIError(str(err)) from err
 
 
 def run_cli(args: list[str] | None = None) -> AsyncCLI:

@@ -259,3 +259,28 @@ def test_simulate_json_into_a_missing_directory_creates_it(tmp_path, capsys):
     (tmp_path / "taken").write_text("")
     assert simulate_main(["--forward-ms", "10", "--json", str(tmp_path / "taken" / "plan.json")]) == 2
     assert "cannot create its directory" in capsys.readouterr().err
+
+
+# ---- wired in from the fault work (issue 12) -------------------------------------------------------
+def test_a_pipeline_checkpoint_given_to_a_single_device_fit_is_one_error_line(tmp_path, capsys, small_data):
+    checkpoint = tmp_path / "last.ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "stage-00.ckpt").write_bytes(b"")
+    rc, out = run_main(capsys, *fit(tmp_path, small_data, "--ckpt_path", str(checkpoint)))
+    assert rc == EXIT_BAD_INPUT, out[-2000:]
+    assert "error: " in out and "is a pipeline checkpoint" in out and "strategy=async_pipe" in out, out[-2000:]
+    assert "Traceback" not in out
+
+
+@pytest.mark.parametrize("stop", [True, False], ids=["stops", "keeps-going"])
+def test_a_diverging_fit_stops_by_default_and_is_marked(tmp_path, capsys, small_data, stop):
+    args = fit(tmp_path, small_data, "--model.lr", "1e6", "--trainer.max_steps", "6", "--trainer.log_every_n_steps", "1",
+               "--divergence.stop", str(stop).lower())
+    if stop:
+        with pytest.raises(Exception, match=r"Training diverged: train/(loss|grad_norm) = nan at step \d"):
+            main(args)
+    else:
+        assert main(args) == 0
+    (marker,) = (tmp_path / "runs").rglob("DIVERGED")
+    assert json.loads(marker.read_text())["value"] == "nan"
+    assert (marker.parent / "DONE").exists() != stop  # a stopped run never counts as finished

@@ -310,7 +310,10 @@ class AsyncPipelineStrategy(DDPStrategy):
             example = getattr(module, "example_input_array", None)
             if self.partition == "time" and example is None:
                 raise ValueError("partition='time' measures each unit on module.example_input_array: set it (a batch of inputs).")
-            stage_units = partition_units(units, self.pipeline_parallel_size, self.partition, example_input=example)
+            stage_units = partition_units(
+                units, self.pipeline_parallel_size, self.partition, example_input=example,
+                context_fn=getattr(module, "pipeline_context", None),
+            )
             self.stage_units = self.broadcast(stage_units)  # measured times differ per rank: rank 0 decides
             stage_module, tied = self._prune(module, units)
             module._lightning_async_split = {"stage_units": self.stage_units, "tied": tied}
