@@ -131,7 +131,7 @@ class CausalLM(CausalLMTraining):
     """Next-token prediction on a SmolLM2-style decoder.
 
     Args:
-        model: named shape (``tiny``, ``small``, ``smollm2-135m``, ``smollm2-360m``).
+        model: named shape (``nano``, ``tiny``, ``small``, ``smollm2-135m``, ``smollm2-360m``).
         vocab_size: set from the tokenizer (the CLI links it from the data module).
         optimizer: a name from the zoo (:data:`lightning_async.optim.OPTIMIZER_NAMES`).
         lr: peak learning rate (for the Muon family: of the matrices; see the optimizer recipes).

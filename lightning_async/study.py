@@ -5,6 +5,8 @@ A study YAML (see ``recipes/study/*.yaml`` and ``docs/compare.md``)::
     name: quickstart                     # default: the file's stem
     base: [quickstart]                   # recipes every run starts from (later ones win): names or paths
     optimizers: [adamw, muon]            # each adds the recipe optimizers/<name> if it exists
+    optimizer_recipes: study/nano        # optional: a recipe folder whose <name>.yaml (if any) follows
+                                         # optimizers/<name> (settings tuned for this study)
     modes: [sync, delayed, delayed-ef]   # sync | delayed | delayed-ef | async_pipe | sync_pipe
     lrs: {adamw: [1e-3, 3e-3]}           # optional: a number, a list, or per optimizer
     seeds: [0, 1]                        # a list, or an int N meaning 0..N-1 (default [0])
@@ -69,7 +71,7 @@ MODES: dict[str, tuple[str, str, bool]] = {
 DELAYED_STUDY_MODES = ("delayed", "delayed-ef", "async_pipe")
 STUDY_KEYS = (
     "name", "description", "base", "optimizers", "modes", "lrs", "seeds", "max_steps", "output", "overrides",
-    "ef_strengths", "delays", "ef_strength_key", "delay_key", "launcher",
+    "ef_strengths", "delays", "ef_strength_key", "delay_key", "launcher", "optimizer_recipes",
 )
 DEFAULT_EF_STRENGTH_KEY = "error_feedback.strength"
 DEFAULT_DELAY_KEY = "delay.delay"
@@ -385,6 +387,7 @@ class Study:
     ef_strength_key: str = DEFAULT_EF_STRENGTH_KEY
     delay_key: str = DEFAULT_DELAY_KEY
     launcher: list[str] | None = None
+    optimizer_recipes: str | None = None
     extra_configs: list[str] = field(default_factory=list)
     recipes_dir: Path | None = None
     description: str = ""
@@ -435,9 +438,10 @@ class Study:
         for config in self.base:
             cmd += ["--config", str(config)]
         if optimizer:
-            opt_recipe = self.recipe(f"optimizers/{optimizer}.yaml")
-            if opt_recipe is not None:
-                cmd += ["--config", str(opt_recipe)]
+            for folder in ["optimizers"] + ([self.optimizer_recipes] if self.optimizer_recipes else []):
+                opt_recipe = self.recipe(f"{folder}/{optimizer}.yaml")
+                if opt_recipe is not None:
+                    cmd += ["--config", str(opt_recipe)]
         cmd += ["--config", str(self.mode_recipe(mode))]
         for config in self.extra_configs:
             cmd += ["--config", str(config)]
@@ -617,6 +621,10 @@ def study_from_dict(
             raise StudyError(f"study {name}: delays must be >= 1 (sync covers delay 0)")
 
     base = [_resolve_file(str(b), study_dir, recipes_dir) for b in _as_list(data.get("base"), "base")]
+    optimizer_recipes = data.get("optimizer_recipes")
+    if optimizer_recipes is not None and not (recipes_dir is not None and (recipes_dir / str(optimizer_recipes)).is_dir()):
+        raise StudyError(f"study {name}: optimizer_recipes: {optimizer_recipes!r} is not a folder of the shipped "
+                         f"recipes ({recipes_dir})")
     launcher = data.get("launcher")
     if launcher is not None:
         launcher = shlex.split(launcher) if isinstance(launcher, str) else [str(x) for x in launcher]
@@ -636,6 +644,7 @@ def study_from_dict(
         ef_strength_key=str(data.get("ef_strength_key") or DEFAULT_EF_STRENGTH_KEY),
         delay_key=str(data.get("delay_key") or DEFAULT_DELAY_KEY),
         launcher=launcher,
+        optimizer_recipes=None if optimizer_recipes is None else str(optimizer_recipes),
         recipes_dir=recipes_dir,
     )
 

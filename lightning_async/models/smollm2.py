@@ -51,6 +51,12 @@ MODEL_CONFIGS: dict[str, SmolLM2Config] = {
     "tiny": SmolLM2Config(
         vocab_size=257, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, ffn_size=384, max_seq_len=512
     ),
+    # 0.12M parameters: the CPU study at the paper's ~20 tokens per parameter (recipes/study/paper-regime*.yaml)
+    # costs about 2 minutes per run on one core. Width 64 is the narrowest where one step stays
+    # matmul-bound on a CPU; 2 layers keep the cost per token at ~50 us (measured, docs/results.md).
+    "nano": SmolLM2Config(
+        vocab_size=257, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_size=192, max_seq_len=256
+    ),
     # About 25M parameters: the smallest "real" size for GPU reproduction runs.
     "small": SmolLM2Config(
         vocab_size=8192, hidden_size=384, num_layers=12, num_heads=6, num_kv_heads=2, ffn_size=1024, max_seq_len=1024
