@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from lightning_async.models import SmolLM2, model_config  # noqa: E402
 from lightning_async.models.objective import next_token_loss, split_next_token  # noqa: E402
 from lightning_async.optim import build_optimizer  # noqa: E402
-from lightning_async.optim.error_feedback import ErrorFeedbackCorrection  # noqa: E402
+from lightning_async.optim import ErrorFeedback  # noqa: E402
 from lightning_async.pipeline.groups import make_pipeline_groups  # noqa: E402
 from lightning_async.pipeline.local import run_local  # noqa: E402
 from lightning_async.pipeline.partition import partition_units  # noqa: E402
@@ -167,7 +167,7 @@ def measured_worker(cfg: dict) -> dict:
     groups = make_pipeline_groups(rank, dist.get_world_size(), p)
     runtime = PipelineRuntime(
         module, opt, schedule, cfg["m"], split_next_token, next_token_loss, groups,
-        error_feedback=None if ef is None else ErrorFeedbackCorrection(ef),
+        correction=None if ef is None else ErrorFeedback(ef),
         tied_parameters=tied, count_tied_in_norm=rank == 0, autocast=contextlib.nullcontext, device=device,
         context_fn=context_fn, activation_checkpointing=recompute,
     )
@@ -231,7 +231,7 @@ def measured(args) -> list[dict]:
             total_model = theory.sync if schedule == "1f1b" else theory.twobw_ef if config == "2bw+ef" else theory.twobw
             versions = 2 if schedule == "2bw" else 1
             accounted = (
-                r["weight_versions"] + r["optimizer_state"] + r["error_feedback"] + r["peak_gradient_bytes"]
+                r["weight_versions"] + r["optimizer_state"] + r["correction"] + r["peak_gradient_bytes"]
                 + r["peak_inflight_microbatches"] * r["activation_bytes_per_microbatch"]
             )
             rows.append(dict(

@@ -72,7 +72,7 @@ def wrapper_bytes(model, opt) -> int:
         return 0
     params = {p.data.data_ptr() for p in model.parameters()}
     tensors = [t for grads in opt._grad_queue for t in grads if t is not None]
-    tensors += [t for version in (opt._versions or []) for t in version]
+    tensors += opt.weight_versions()
     tensors += list(opt.correction.previous_update.values())
     seen, total = set(), 0
     for t in tensors:

@@ -3,8 +3,8 @@
 
 Recipes compose through repeated ``--config`` (later files win); a value that is not a file is the name of
 a shipped recipe (``--config quickstart --config optimizers/muon``, :mod:`lightning_async.recipes_index`).
-The delay and the correction are config sections of their own (``delay:``, ``error_feedback:``), so mode
-recipes never have to replace the trainer's callback list.
+The delay and the corrections are config sections of their own (``delay:``, ``error_feedback:``,
+``correction:``), so mode and correction recipes never have to replace the trainer's callback list.
 
 The ``model`` section takes any LightningModule (``class_path`` + ``init_args``); without a
 ``class_path`` it is :class:`~lightning_async.lm.CausalLM`, so ``model: {optimizer: muon}`` and
@@ -29,7 +29,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_async.strategies import AsyncPipelineStrategy  # (importing registers async_pipe / sync_pipe)
-from lightning_async.callbacks import DelaySimulation, DivergenceGuard, ErrorFeedback, RunTelemetry
+from lightning_async.callbacks import DelayCorrection, DelaySimulation, DivergenceGuard, ErrorFeedback, RunTelemetry
 from lightning_async.data import TextDataModule
 from lightning_async.lm import CausalLM
 from lightning_async.pipeline.checkpoint import refuse_pipeline_checkpoint
@@ -166,6 +166,8 @@ class AsyncCLI(LightningCLI):
         parser.set_defaults({"delay.delay": 0})
         parser.add_lightning_class_args(ErrorFeedback, "error_feedback")
         parser.set_defaults({"error_feedback.strength": 0.0})
+        parser.add_lightning_class_args(DelayCorrection, "correction")  # recipes/corrections/<method>.yaml
+        parser.set_defaults({"correction.method": "none"})
         parser.add_lightning_class_args(RunTelemetry, "telemetry")
         parser.add_lightning_class_args(DivergenceGuard, "divergence")  # on by default; --divergence.stop false
         parser.set_defaults({"model": {"class_path": DEFAULT_MODEL}})

@@ -7,7 +7,8 @@ A study YAML (see ``recipes/study/*.yaml`` and ``docs/compare.md``)::
     optimizers: [adamw, muon]            # each adds the recipe optimizers/<name> if it exists
     optimizer_recipes: study/nano        # optional: a recipe folder whose <name>.yaml (if any) follows
                                          # optimizers/<name> (settings tuned for this study)
-    modes: [sync, delayed, delayed-ef]   # sync | delayed | delayed-ef | async_pipe | sync_pipe
+    modes: [sync, delayed, delayed-ef]   # sync | delayed | delayed-ef | async_pipe | sync_pipe, or
+                                         # delayed-<c> / async_pipe-<c> for a recipe corrections/<c>.yaml
     lrs: {adamw: [1e-3, 3e-3]}           # optional: a number, a list, or per optimizer
     seeds: [0, 1]                        # a list, or an int N meaning 0..N-1 (default [0])
     max_steps: 200                       # optional --trainer.max_steps
@@ -60,15 +61,47 @@ from lightning_async.recipes_index import find_recipe, recipes_root
 #: The seven optimizers of the paper's comparison, always accepted.
 KNOWN_OPTIMIZERS = ("adamw", "muon", "normuon", "adan", "soap", "lion", "mars")
 
-#: study mode -> (recipe file relative to the recipes dir, mode as the run logs it, EF on)
-MODES: dict[str, tuple[str, str, bool]] = {
-    "sync": ("modes/sync.yaml", "sync", False),
-    "delayed": ("modes/delayed.yaml", "delayed", False),
-    "delayed-ef": ("modes/delayed-ef.yaml", "delayed", True),
-    "async_pipe": ("pipeline/async.yaml", "async_pipe", False),
-    "sync_pipe": ("pipeline/sync.yaml", "sync_pipe", False),
+@dataclass(frozen=True)
+class StudyMode:
+    """A study mode: the recipes (relative to the recipes dir) a run of it adds, the ``mode`` the run records,
+    and the correction it applies."""
+
+    name: str
+    recipes: tuple[str, ...]
+    logged: str
+    correction: str = "none"
+
+
+#: the modes every study knows; ``delayed-<c>`` / ``async_pipe-<c>`` add ``corrections/<c>.yaml`` (any shipped)
+MODES: dict[str, StudyMode] = {
+    m.name: m for m in (
+        StudyMode("sync", ("modes/sync.yaml",), "sync"),
+        StudyMode("delayed", ("modes/delayed.yaml",), "delayed"),
+        StudyMode("delayed-ef", ("modes/delayed-ef.yaml",), "delayed", "ef"),
+        StudyMode("async_pipe", ("pipeline/async.yaml",), "async_pipe"),
+        StudyMode("sync_pipe", ("pipeline/sync.yaml",), "sync_pipe"),
+    )
 }
-DELAYED_STUDY_MODES = ("delayed", "delayed-ef", "async_pipe")
+CORRECTED_BASES = ("delayed", "async_pipe")
+
+
+def study_mode(name: str, recipes_dir: Path | None) -> StudyMode | None:
+    """The mode called ``name``: one of :data:`MODES`, or ``<delayed|async_pipe>-<correction recipe>``."""
+    if name in MODES:
+        return MODES[name]
+    for base in CORRECTED_BASES:
+        method = name[len(base) + 1:] if name.startswith(base + "-") else ""
+        if method and recipes_dir is not None and (recipes_dir / "corrections" / f"{method}.yaml").is_file():
+            return StudyMode(name, MODES[base].recipes + (f"corrections/{method}.yaml",), MODES[base].logged, method)
+    return None
+
+
+def valid_modes(recipes_dir: Path | None) -> list[str]:
+    folder = recipes_dir / "corrections" if recipes_dir is not None else None
+    methods = sorted(p.stem for p in folder.glob("*.yaml")) if folder is not None and folder.is_dir() else []
+    return list(MODES) + [f"{base}-{m}" for base in CORRECTED_BASES for m in methods if f"{base}-{m}" not in MODES]
+
+
 STUDY_KEYS = (
     "name", "description", "base", "optimizers", "modes", "lrs", "seeds", "max_steps", "output", "overrides",
     "ef_strengths", "delays", "ef_strength_key", "delay_key", "launcher", "optimizer_recipes",
@@ -153,15 +186,21 @@ class RunSpec:
     log_path: Path
     command: list[str]
     max_steps: int | None = None
+    mode_info: StudyMode | None = None  # None: MODES[mode]
 
     @property
     def logged_mode(self) -> str:
         """The ``mode`` the run records in ``hparams.yaml``."""
-        return MODES[self.mode][1]
+        return (self.mode_info or MODES[self.mode]).logged
+
+    @property
+    def correction(self) -> str:
+        """The correction the run applies (``none``, ``ef``, ...)."""
+        return (self.mode_info or MODES[self.mode]).correction
 
     @property
     def uses_ef(self) -> bool:
-        return MODES[self.mode][2]
+        return self.correction == "ef"
 
     @property
     def done(self) -> bool:
@@ -411,14 +450,15 @@ class Study:
         path = self.recipes_dir / relative
         return path if path.is_file() else None
 
-    def mode_recipe(self, mode: str) -> Path:
-        rel = MODES[mode][0]
-        found = self.recipe(rel)
-        return found if found is not None else (self.recipes_dir or Path("recipes")) / rel
+    def mode_info(self, mode: str) -> StudyMode:
+        return study_mode(mode, self.recipes_dir) or MODES[mode]
+
+    def mode_recipes(self, mode: str) -> list[Path]:
+        return [self.recipe(rel) or (self.recipes_dir or Path("recipes")) / rel for rel in self.mode_info(mode).recipes]
 
     def missing_files(self) -> list[str]:
         missing = [b for b in self.base + self.extra_configs if not Path(b).is_file()]
-        missing += [str(self.mode_recipe(m)) for m in self.modes if not self.mode_recipe(m).is_file()]
+        missing += [str(r) for m in self.modes for r in self.mode_recipes(m) if not r.is_file()]
         return missing
 
     def run_name(self, optimizer, mode, lr, seed, ef_strength, delay) -> str:
@@ -442,7 +482,8 @@ class Study:
                 opt_recipe = self.recipe(f"{folder}/{optimizer}.yaml")
                 if opt_recipe is not None:
                     cmd += ["--config", str(opt_recipe)]
-        cmd += ["--config", str(self.mode_recipe(mode))]
+        for recipe in self.mode_recipes(mode):
+            cmd += ["--config", str(recipe)]
         for config in self.extra_configs:
             cmd += ["--config", str(config)]
         if seed is not None:
@@ -472,7 +513,7 @@ class Study:
             for optimizer in self.optimizers:
                 for lr in self.lrs.get(optimizer, self.lrs.get(None, [None])):
                     for mode in self.modes:
-                        delayed = mode in ("delayed", "delayed-ef")
+                        delayed = self.mode_info(mode).logged == "delayed"
                         delays = self.delays if (self.delays is not None and delayed) else [None]
                         efs = self.ef_strengths if (self.ef_strengths is not None and mode == "delayed-ef") else [None]
                         for delay in delays:
@@ -482,7 +523,7 @@ class Study:
                                     name=name, optimizer=optimizer, mode=mode, lr=lr, seed=seed, ef_strength=ef,
                                     delay=delay, run_dir=self.runs_dir / name, log_path=self.logs_dir / f"{name}.log",
                                     command=self.command(optimizer, mode, lr, seed, ef, delay, name),
-                                    max_steps=self.max_steps,
+                                    max_steps=self.max_steps, mode_info=self.mode_info(mode),
                                 ))
         names = [s.name for s in specs]
         duplicates = sorted({n for n in names if names.count(n) > 1})
@@ -576,11 +617,11 @@ def study_from_dict(
         raise StudyError(f"study {name}: unknown optimizer(s) {', '.join(bad)}; valid optimizers: {', '.join(valid)}")
 
     modes = [str(m) for m in _as_list(data.get("modes", ["sync", "delayed", "delayed-ef"]), "modes")]
-    bad = [m for m in modes if m not in MODES]
+    bad = [m for m in modes if study_mode(m, recipes_dir) is None]
     if bad:
-        raise StudyError(f"study {name}: unknown mode(s) {', '.join(bad)}; valid modes: {', '.join(MODES)}")
+        raise StudyError(f"study {name}: unknown mode(s) {', '.join(bad)}; valid modes: {', '.join(valid_modes(recipes_dir))}")
     if not modes:
-        raise StudyError(f"study {name}: 'modes' is empty; valid modes: {', '.join(MODES)}")
+        raise StudyError(f"study {name}: 'modes' is empty; valid modes: {', '.join(valid_modes(recipes_dir))}")
 
     raw_lrs = data.get("lrs")
     lrs: dict[str | None, list[float | None]] = {}

@@ -11,8 +11,7 @@ import torch.distributed as dist
 
 from lightning_async.models import SmolLM2, model_config
 from lightning_async.models.objective import next_token_loss, split_next_token
-from lightning_async.optim import DelayedOptimizer, build_optimizer
-from lightning_async.optim.error_feedback import ErrorFeedbackCorrection
+from lightning_async.optim import DelayedOptimizer, build_correction, build_optimizer
 from lightning_async.pipeline.groups import make_pipeline_groups
 from lightning_async.pipeline.boundary import split_rows
 from lightning_async.pipeline.local import free_port, run_local
@@ -80,10 +79,19 @@ def schedule_hyperparameters(optimizer, step: int) -> None:
             group["weight_decay"] = 0.1 if even else 0.4
 
 
+def correction_of(setting):
+    """A correction from a scenario's setting: an EF strength (0: none) or ``build_correction`` keyword arguments."""
+    if isinstance(setting, dict):
+        return build_correction(**setting)
+    return build_correction("ef", setting) if setting else None
+
+
 def reference_run(
-    optimizer: str, delay: int, ef: float, steps: int, clip: float | None, microbatches: int = 1, workload: Workload = SMOLLM2
+    optimizer: str, delay: int, ef, steps: int, clip: float | None, microbatches: int = 1, workload: Workload = SMOLLM2
 ) -> dict[str, torch.Tensor]:
     """Single-device run with DelayedOptimizer(pairing='2bw'); returns the newest weights by name.
+
+    ``ef``: the correction (:func:`correction_of`).
 
     With ``microbatches`` the gradient is summed over chunks in the pipeline's order, so optimizers
     that amplify rounding (SOAP's eigenbases) can be compared exactly too.
@@ -93,7 +101,7 @@ def reference_run(
     named = [(f"model.{n}", p) for n, p in model.named_parameters()]
     opt = build_optimizer(optimizer, named, lr=LRS[optimizer], weight_decay=0.1, **KWARGS.get(optimizer, {}))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
-    wrapped = DelayedOptimizer(opt, delay=delay, error_feedback=ef, pairing="2bw")
+    wrapped = DelayedOptimizer(opt, delay=delay, pairing="2bw", correction=correction_of(ef) if delay else None)
     schedule_hyperparameters(opt, 0)
     for step, batch in enumerate(w.make_batches(steps)):
         for chunk in split_rows(batch, microbatches):
@@ -147,7 +155,7 @@ def pipeline_run(
     groups = make_pipeline_groups(rank, dist.get_world_size(), stages)
     runtime = PipelineRuntime(
         stage_module, opt, schedule, m, w.split_batch, w.loss, groups,
-        gradient_clip_val=clip, error_feedback=ErrorFeedbackCorrection(ef) if ef else None,
+        gradient_clip_val=clip, correction=correction_of(ef),
         tied_parameters=tied, count_tied_in_norm=stage == 0, autocast=contextlib.nullcontext,
         context_fn=getattr(model, "pipeline_context", None), activation_checkpointing=activation_checkpointing,
     )

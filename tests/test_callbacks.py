@@ -146,7 +146,7 @@ class ValidationProbe(Callback):
         opt = trainer.optimizers[0]
         assert isinstance(opt, DelayedOptimizer)
         self.newest_is_shown.append(all(torch.equal(p, w) for p, w in zip(opt.params, opt.newest_weights())))
-        stale = opt._versions[0] if opt._versions is not None else [p.data for p in opt.params]
+        stale = opt.forward_weights()
         self.stale_differs.append(any(not torch.equal(p, s) for p, s in zip(opt.params, stale)))
         self._forward = [s.detach().clone() for s in stale]
         self.shown.append(weights(pl_module))

@@ -21,65 +21,21 @@ import io
 import pytest
 import torch
 
-import lightning_async.optim.error_feedback as error_feedback_module
+import lightning_async.optim.corrections.base as correction_base
 
-from lightning_async.models import SmolLM2, model_config
-from lightning_async.models.objective import next_token_loss, split_next_token
 from lightning_async.optim import DelayedOptimizer, ErrorFeedbackCorrection
-from lightning_async.optim.zoo import OPTIMIZER_NAMES, build_optimizer
+from lightning_async.optim.zoo import OPTIMIZER_NAMES
+from workload import BATCHES, STEPS, lr_lambda, loss_of, make_model, make_optimizer, max_diff, snapshot
 
-SHAPE = dict(vocab_size=257, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_size=64, max_seq_len=64)
-# fp32 Newton-Schulz: exact comparisons need it (bf16 would turn 1e-7 differences into 1e-3).
-KWARGS = {"muon": {"ns_dtype": torch.float32}, "normuon": {"ns_dtype": torch.float32}}
-LRS = {"adamw": 3e-3, "muon": 2e-2, "normuon": 2e-2, "adan": 3e-3, "soap": 3e-3, "lion": 3e-4, "mars": 3e-3}
-WEIGHT_DECAY = 0.1
-STEPS = 20
 TOL = 1e-6
 
-pytestmark = pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matrices: one thread is fastest and immune to a busy machine's oversubscription."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-# ---- the tiny workload ---------------------------------------------------------------------------
-def make_model(seed: int = 0) -> SmolLM2:
-    torch.manual_seed(seed)
-    return SmolLM2(model_config("tiny", **SHAPE))
-
-
-def make_batches(n: int = STEPS, batch_size: int = 4, seq_len: int = 16, seed: int = 1) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, SHAPE["vocab_size"], (batch_size, seq_len + 1), generator=g) for _ in range(n)]
-
-
-BATCHES = make_batches()
-
-
-def lr_lambda(step: int) -> float:
-    return 1.0 / (1.0 + 0.1 * step)  # a changing lr: each update must use the lr of the step it is applied at
-
-
-def make_optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
-    return build_optimizer(name, model.named_parameters(), lr=LRS[name], weight_decay=WEIGHT_DECAY, **KWARGS.get(name, {}))
-
-
-def loss_of(model, batch: torch.Tensor) -> torch.Tensor:
-    inputs, targets = split_next_token(batch)
-    return next_token_loss(model(inputs), targets)
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before"),
+    pytest.mark.usefixtures("one_thread"),
+]
 
 
 # ---- the independent reference -------------------------------------------------------------------
-def snapshot(model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
 def reference_delayed(
     evaluator,
     stepper,
@@ -184,11 +140,6 @@ def library_run(name: str, delay: int, lam: float, pairing: str, steps: int = ST
     return model, wrapped
 
 
-def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max((a[n] - b[n]).abs().max().item() for n in a)
-
-
 # ---- parity with the reference -------------------------------------------------------------------
 CASES = [(name, 1, lam) for name in OPTIMIZER_NAMES for lam in (0.0, 1.0)]
 CASES += [("adamw", 2, 1.0), ("muon", 2, 1.0), ("soap", 2, 0.0)]
@@ -198,11 +149,11 @@ def test_error_feedback_in_small_chunks_is_identical(monkeypatch) -> None:
     """The correction runs over groups of parameters (bounded temporaries); the grouping must not matter."""
     model, wrapped = library_run("adamw", 1, 1.0, "2bw")
     whole = newest_by_name(model, wrapped)
-    monkeypatch.setattr(error_feedback_module, "CHUNK_ELEMENTS", 2000)  # most tensors alone, small ones grouped
+    monkeypatch.setattr(correction_base, "CHUNK_ELEMENTS", 2000)  # most tensors alone, small ones grouped
     model, wrapped = library_run("adamw", 1, 1.0, "2bw")
     assert all(torch.equal(whole[n], t) for n, t in newest_by_name(model, wrapped).items())
     sizes = [t.numel() for t in model.parameters()]
-    chunks = error_feedback_module._chunks(list(model.parameters()), 2000)
+    chunks = correction_base.chunks(list(model.parameters()), 2000)
     assert [t.numel() for c in chunks for t in c] == sizes  # every tensor once, in order
     assert all(len(c) == 1 or sum(t.numel() for t in c) <= 2000 for c in chunks) and len(chunks) < len(sizes)
 
@@ -382,7 +333,7 @@ def test_negative_error_feedback_is_rejected() -> None:
     wrapped = DelayedOptimizer(_bare(), delay=1, error_feedback=1.0)
     with pytest.raises(ValueError, match=">= 0"):
         wrapped.error_feedback = -1.0
-    with pytest.raises(ValueError, match="strength must be >= 0"):
+    with pytest.raises(ValueError, match="strength must be a number >= 0"):
         ErrorFeedbackCorrection(-0.1)
 
 
@@ -437,7 +388,7 @@ def test_memory_held(pairing: str, delay: int) -> None:
     n = len(params)
 
     # Error Feedback: exactly one parameter-sized buffer per parameter, nothing else
-    buffers = wrapped.correction.previous_update
+    buffers = wrapped.correction.previous_update.tensors
     assert len(buffers) == n
     assert all(buffers[p].shape == p.shape and buffers[p].dtype == p.dtype for p in params)
     assert len(_storages(buffers.values())) == n
@@ -445,22 +396,22 @@ def test_memory_held(pairing: str, delay: int) -> None:
 
     state = wrapped.state_dict()["delay"]
     if pairing == "2bw":
-        versions = wrapped._versions
-        assert len(versions) == delay + 1 and len(state["versions"]) == delay + 1
-        held = [t for v in versions for t in v]
+        rings = wrapped._rings
+        assert all(len(r) == delay + 1 for r in rings) and all(len(r) == delay + 1 for r in state["rings"])
+        held = [t for r in rings for t in r]
         assert len(_storages(held)) == (delay + 1) * n  # delay + 1 distinct weight copies...
         assert _storages(p.data for p in params) <= _storages(held)  # ...one of which the parameters show
         assert len(wrapped._grad_queue) == 0 and state["grad_queue"] == []
     else:
         assert len(wrapped._grad_queue) == delay and len(state["grad_queue"]) == delay
         assert all(len(grads) == n for grads in wrapped._grad_queue)
-        assert wrapped._versions is None and state["versions"] is None
+        assert wrapped._rings is None and state["rings"] is None
 
 
 def test_no_error_feedback_no_buffer() -> None:
     model, wrapped, scheduler = build("adamw", 1, 0.0, "2bw")
     train(model, wrapped, scheduler, BATCHES[:3])
-    assert wrapped.correction.previous_update == {}
+    assert wrapped.correction.buffers() == []
 
 
 @pytest.mark.parametrize("pairing", ["2bw", "fifo"])

@@ -13,7 +13,7 @@ import torch
 
 from lightning_async.models.objective import next_token_loss, split_next_token
 from lightning_async.optim import build_optimizer
-from lightning_async.optim.error_feedback import ErrorFeedbackCorrection
+from lightning_async.optim import ErrorFeedback
 from lightning_async.pipeline.runtime import PipelineRuntime, StageModule
 from lightning_async.pipeline.simulator import memory_model
 
@@ -37,7 +37,7 @@ def make_runtime(schedule: str, ef: float | None, m: int = 2) -> PipelineRuntime
     opt = build_optimizer("adamw", list(stage.named_parameters()), lr=1e-3, weight_decay=0.1)
     return PipelineRuntime(
         stage, opt, schedule, m, split_next_token, next_token_loss,
-        error_feedback=None if ef is None else ErrorFeedbackCorrection(ef), autocast=contextlib.nullcontext,
+        correction=None if ef is None else ErrorFeedback(ef), autocast=contextlib.nullcontext,
     )
 
 
@@ -67,7 +67,7 @@ def test_memory_report_exact_bytes(schedule, ef, versions, ef_buffers):
         "parameters": params,
         "weight_versions": versions * params,
         "optimizer_state": adamw,
-        "error_feedback": ef_buffers * params,
+        "correction": ef_buffers * params,
         "in_flight_microbatches": 0,
     }
 
@@ -77,7 +77,7 @@ def test_report_before_training_has_no_optimizer_or_ef_state():
     report = runtime.memory_report()
     params = sum(expected_parameter_tensors()) * FP32
     assert report["weight_versions"] == 2 * params
-    assert report["optimizer_state"] == 0 and report["error_feedback"] == 0  # both are allocated lazily
+    assert report["optimizer_state"] == 0 and report["correction"] == 0  # both are allocated lazily
 
 
 def test_report_agrees_with_simulator_memory_model():
@@ -85,7 +85,7 @@ def test_report_agrees_with_simulator_memory_model():
     sync, twobw, ef = (train(make_runtime(s, e)) for s, e in (("1f1b", None), ("2bw", None), ("2bw", 1.0)))
     (model,) = memory_model(sync["parameters"], sync["optimizer_state"], 0, inflight_sync=[0])
     assert model.twobw - model.sync == twobw["weight_versions"] - sync["weight_versions"]
-    assert model.twobw_ef - model.twobw == ef["error_feedback"]
+    assert model.twobw_ef - model.twobw == ef["correction"]
     assert model.optimizer == twobw["optimizer_state"] == ef["optimizer_state"]
 
 

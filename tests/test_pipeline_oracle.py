@@ -12,10 +12,14 @@ import torch
 from _pipeline_harness import pipeline_run, reference_run, spawn
 
 STEPS = 10
-# Keyed by the number of processes: (stages, schedule, optimizer, EF strength, clip, drain after these
-# batches, pre-posted receives). With 4 processes and 2 stages the mesh is 2 stages x 2 data-parallel
-# replicas. Pre-posting is gloo's default; the scenarios with False run the fused send/receive groups that
-# NCCL uses.
+# Keyed by the number of processes: (stages, schedule, optimizer, correction, clip, drain after these
+# batches, pre-posted receives). The correction is an EF strength or the settings of another update- or
+# gradient-level correction (the ones the pipeline supports). With 4 processes and 2 stages the mesh is
+# 2 stages x 2 data-parallel replicas. Pre-posting is gloo's default; the scenarios with False run the fused
+# send/receive groups that NCCL uses.
+ADAPTIVE_EF = {"method": "adaptive-ef", "strength": 1.0, "decay": 0.8}
+NESTEROV = {"method": "nesterov", "strength": 1.0, "momentum": 0.8}
+DC_ASGD = {"method": "dc-asgd", "strength": 2.0, "adaptive": True}
 SCENARIOS = {
     2: [
         (2, "2bw", "adamw", 0.0, None, (0,), True),
@@ -25,6 +29,15 @@ SCENARIOS = {
         (2, "2bw", "normuon", 1.0, None, (), True),
         (2, "1f1b", "adamw", 0.0, 1.0, (2,), True),
         (2, "gpipe", "muon", 0.0, None, (), False),
+        (2, "2bw", "adamw", ADAPTIVE_EF, 1.0, (3,), True),
+        (2, "2bw", "muon", NESTEROV, None, (), True),
+        (2, "2bw", "adan", DC_ASGD, 0.5, (), False),
+    ],
+    3: [
+        (3, "2bw", "adamw", ADAPTIVE_EF, None, (), True),
+        (3, "2bw", "lion", NESTEROV, 1.0, (2,), True),
+        (3, "2bw", "mars", DC_ASGD, None, (), True),
+        (3, "2bw", "muon", 1.0, 0.5, (), False),
     ],
     4: [
         (4, "2bw", "adamw", 1.0, 0.5, (3,), True),
@@ -36,14 +49,19 @@ SCENARIOS = {
 }
 
 
+def microbatches(stages: int) -> int:
+    """As many micro-batches as stages where the batch of 8 (and the shrunk one of 4) divides, else 4."""
+    return stages if 4 % stages == 0 else 4
+
+
 def _all_scenarios(world: int) -> list:
     return [
-        pipeline_run(stages, s, opt, ef, STEPS, clip, m=stages, drain_at=drain, prepost=prepost)
+        pipeline_run(stages, s, opt, ef, STEPS, clip, m=microbatches(stages), drain_at=drain, prepost=prepost)
         for stages, s, opt, ef, clip, drain, prepost in SCENARIOS[world]
     ]
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["2-processes", "4-processes"])
+@pytest.fixture(scope="module", params=[2, 3, 4], ids=["2-processes", "3-processes", "4-processes"])
 def pipeline_results(request):
     world = request.param
     return world, spawn(world, _all_scenarios, world)
@@ -61,19 +79,19 @@ def test_pipeline_equals_single_device_rule(pipeline_results):
     for index, (stages, schedule, opt, ef, clip, *_) in enumerate(SCENARIOS[world]):
         delay = 1 if schedule == "2bw" else 0
         replicas = world // stages
-        reference = reference_run(opt, delay, ef, STEPS, clip, microbatches=stages * replicas)
+        reference = reference_run(opt, delay, ef, STEPS, clip, microbatches=microbatches(stages) * replicas)
         for replica in range(replicas):  # every replica holds the same weights
             weights = _merge(per_rank[replica * stages : (replica + 1) * stages], index)
             assert set(weights) <= set(reference) and len(weights) >= len(reference) - 1  # tied head may appear once
             worst = max((weights[n] - reference[n]).abs().max().item() for n in weights)
-            assert worst < 2e-5, f"{stages} stages x {replicas}, {schedule}/{opt}/ef={ef}/clip={clip}: max |diff| = {worst}"
+            assert worst < 2e-5, f"{stages} stages x {replicas}, {schedule}/{opt}/{ef}/clip={clip}: max |diff| = {worst}"
 
 
 def test_negative_control_2bw_differs_from_sync(pipeline_results):
     world, per_rank = pipeline_results
     two_bw = _merge(per_rank, 0)  # 2bw adamw
     stages, _, opt, _, clip, *_ = SCENARIOS[world][0]
-    sync = reference_run(opt, 0, 0.0, STEPS, clip, microbatches=stages)
+    sync = reference_run(opt, 0, 0.0, STEPS, clip, microbatches=microbatches(stages))
     assert max((two_bw[n] - sync[n]).abs().max().item() for n in two_bw) > 1e-4
 
 

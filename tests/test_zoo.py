@@ -268,7 +268,7 @@ def test_composite_under_delay_and_error_feedback(pairing):
     losses = [lm_step(model, opt, seed % 2) for seed in range(6)]
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
     state = copy.deepcopy(opt.state_dict())
-    assert len(state["delay"]["error_feedback"]["previous_update"]) == len(list(model.parameters()))
+    assert len(state["delay"]["correction"]["previous_update"]) == len(list(model.parameters()))
 
 
 # ---- parity with the papers' equations -----------------------------------------------------------

@@ -1,18 +1,23 @@
-"""Callbacks that turn on the delayed update rule (one device) and the Error-Feedback correction (anywhere).
+"""Callbacks that turn on the delayed update rule (one device) and a staleness correction (anywhere).
 
 ``DelaySimulation(delay=1)`` wraps the module's optimizer in
 :class:`~lightning_async.optim.DelayedOptimizer` with the exact 2BW pairing, so a single device follows
-the same update rule, step for step, as the multi-process ``async_pipe`` strategy.
-``ErrorFeedback(strength=1.0)`` switches the correction on for whichever delay source the run has:
-this callback's wrapper, or the pipeline strategy. Both paths call the same
-:class:`~lightning_async.optim.ErrorFeedbackCorrection`.
+the same update rule, step for step, as the multi-process ``async_pipe`` strategy; ``profile=`` gives
+units delays of their own (the original PipeDream's ``p - 1 - s``).
+``DelayCorrection(method, strength)`` (and ``ErrorFeedback(strength)``, its ``method="ef"``) switches a
+correction of :mod:`lightning_async.optim.corrections` on for whichever delay source the run has: this
+callback's wrapper, or the pipeline strategy. Both paths apply it through the same code.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from lightning_async.optim.delay import DelayedOptimizer, validate_delay
+from lightning_async.optim.corrections import NO_CORRECTION, build_correction
+from lightning_async.optim.delay import DelayedOptimizer, check_delay
+from lightning_async.pipeline import profiles, schedules
 
 
 def _is_pipeline(trainer: Trainer) -> bool:
@@ -50,30 +55,70 @@ def _wrap_configured(result, wrap):
     raise TypeError(f"DelaySimulation cannot find the optimizer in configure_optimizers()' result {type(result).__name__}.")
 
 
+def _restricted(delays: dict, optimizer) -> dict:
+    """The entries of ``delays`` for the parameters ``optimizer`` updates."""
+    mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    return {p: k for p, k in delays.items() if id(p) in mine}
+
+
 class DelaySimulation(Callback):
     """Simulate an asynchronous pipeline's weight staleness on one device.
 
     Args:
-        delay: ``1`` is PipeDream-2BW (every stage one step stale); ``k > 1`` gives the original
-            PipeDream's per-stage staleness for ablations; ``0`` is plain synchronous training.
+        delay: ``1`` is PipeDream-2BW (every stage one step stale); ``k > 1`` a uniform k-step delay;
+            ``0`` is plain synchronous training. With a ``profile``, the delay of units it does not name.
         pairing: ``"2bw"`` (evaluate batch t at ``x(t-k)``; exact pipeline pairing) or ``"fifo"``.
         start_fraction: share of ``trainer.max_steps`` trained synchronously before the delay starts
             (the paper's "sync start" baseline; 0 = delayed from the first step).
+        profile: per-unit delays (:mod:`lightning_async.pipeline.profiles`): ``"2bw"``, ``"pipedream"``
+            (stage ``s`` of ``stages`` is ``stages - 1 - s`` steps stale), a list of per-stage delays, or a
+            mapping from the module's ``pipeline_units()`` names to delays. Needs a module with ``pipeline_units``.
+        stages: how many stages the profile splits the units into (as the pipeline's ``partition`` would).
+        partition: how units are split into stages (``"uniform"``, ``"parameters"`` or the unit names where
+            stages 1.. begin).
     """
 
-    def __init__(self, delay: int = 1, pairing: str = "2bw", start_fraction: float = 0.0) -> None:
-        validate_delay(delay, 0.0)
+    def __init__(
+        self,
+        delay: int = 1,
+        pairing: str = "2bw",
+        start_fraction: float = 0.0,
+        profile: str | list[int] | dict[str, int] | None = None,
+        stages: int | None = None,
+        partition: str | list[str] = "uniform",
+    ) -> None:
+        check_delay(delay)
         if not 0.0 <= start_fraction < 1.0:
             raise ValueError(f"start_fraction must be in [0, 1), got {start_fraction}.")
+        if profile is not None and not isinstance(profile, Mapping):
+            self._per_stage = profiles.stage_delays(profile, stages, delay)  # checks the profile now
+            for k in self._per_stage or []:
+                check_delay(k, "a stage's delay")
+        elif isinstance(profile, Mapping):
+            for k in profile.values():
+                check_delay(k, "a unit's delay")
         self.delay, self.pairing, self.start_fraction = delay, pairing, start_fraction
+        self.profile, self.stages, self.partition = profile, stages, partition
         self._start_step = 0
-        self.error_feedback = 0.0
-        self.extrapolate_weight_decay = True
+        self._parameter_delays: dict = {}
+        self.correction_settings: dict | None = None  # set by a DelayCorrection callback
         self.optimizers: list[DelayedOptimizer] = []
 
     @property
+    def max_delay(self) -> int:
+        """The largest delay any unit gets (what the run is recorded with)."""
+        if self.profile is None:
+            return self.delay
+        if isinstance(self.profile, Mapping):
+            return max([self.delay, *self.profile.values()])
+        return max(self._per_stage or [self.delay])
+
+    @property
     def active(self) -> bool:
-        return self.delay > 0
+        return self.max_delay > 0
+
+    def profile_label(self) -> str:
+        return profiles.describe(self.profile, self.stages, self.delay)
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if not self.active or stage != "fit":
@@ -87,6 +132,7 @@ class DelaySimulation(Callback):
             if trainer.max_steps is None or trainer.max_steps < 0:
                 raise ValueError("DelaySimulation(start_fraction=...) needs trainer.max_steps to place the switch.")
             self._start_step = int(round(self.start_fraction * trainer.max_steps))
+        self._parameter_delays = self._profile_delays(pl_module)
         self.optimizers = []
         original = pl_module.configure_optimizers
 
@@ -95,19 +141,32 @@ class DelaySimulation(Callback):
 
         pl_module.configure_optimizers = configure_optimizers
 
+    def _profile_delays(self, pl_module: LightningModule) -> dict:
+        if self.profile is None:
+            return {}
+        if not callable(getattr(pl_module, "pipeline_units", None)):
+            raise ValueError(
+                f"DelaySimulation(profile=...) maps delays onto pipeline units, but {type(pl_module).__name__} has no "
+                "pipeline_units(). Define it (docs/models.md) or use a uniform delay."
+            )
+        units = list(pl_module.pipeline_units())
+        by_unit = profiles.unit_delays(units, self.profile, self.stages, self.delay, self.partition)
+        return profiles.parameter_delays(units, by_unit)
+
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Undo the wrapping, so a later fit of the same module starts from its own optimizer."""
         if "configure_optimizers" in vars(pl_module):
             del pl_module.configure_optimizers
 
     def _wrap(self, optimizer) -> DelayedOptimizer:
+        settings = dict(self.correction_settings or {"method": NO_CORRECTION})
         wrapped = DelayedOptimizer(
             optimizer,
             self.delay,
-            self.error_feedback,
-            self.pairing,
-            extrapolate_weight_decay=self.extrapolate_weight_decay,
+            pairing=self.pairing,
             start_step=self._start_step,
+            correction=build_correction(**settings),
+            parameter_delays=_restricted(self._parameter_delays, optimizer),
         )
         self.optimizers.append(wrapped)
         return wrapped
@@ -147,40 +206,81 @@ class DelaySimulation(Callback):
         self._show_newest()  # after fit the module holds the newest weights
 
     def state_dict(self) -> dict:
-        return {"delay": self.delay, "pairing": self.pairing, "start_fraction": self.start_fraction}
+        return {"delay": self.delay, "pairing": self.pairing, "start_fraction": self.start_fraction,
+                "profile": self.profile_label()}
 
 
-class ErrorFeedback(Callback):
+class DelayCorrection(Callback):
+    """Correct the delayed update with a correction of :mod:`lightning_async.optim.corrections`.
+
+    Works with a ``DelaySimulation`` callback on one device or with ``strategy="async_pipe"`` (where the
+    corrections that change the forward's weights, ``weight-prediction``, are refused), through the same code.
+
+    Args:
+        method: ``ef``, ``adaptive-ef``, ``nesterov``, ``dc-asgd``, ``weight-prediction`` or ``none``.
+        strength: the correction's strength (``None``: its default; 0 switches it off).
+        options: the correction's other arguments (e.g. ``{"momentum": 0.9}`` for ``nesterov``).
+    """
+
+    def __init__(self, method: str = "ef", strength: float | None = None, options: dict | None = None) -> None:
+        self.method, self.strength, self.options = method, strength, dict(options or {})
+        self.correction = build_correction(**self.settings)  # checks the name and options now
+
+    @property
+    def settings(self) -> dict:
+        """What builds the correction: ``build_correction(**settings)``."""
+        return {"method": self.method, **({} if self.strength is None else {"strength": self.strength}), **self.options}
+
+    @property
+    def active(self) -> bool:
+        return self.correction is not None and self.correction.enabled
+
+    def describe(self) -> str:
+        return f"{type(self).__name__}({self.method!r})"
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if not self.active or stage != "fit":
+            return
+        others = [cb for cb in trainer.callbacks if isinstance(cb, DelayCorrection) and cb.active and cb is not self]
+        if others:
+            names = ", ".join(cb.correction.method for cb in [self, *others])
+            raise ValueError(f"Two staleness corrections are switched on ({names}); choose one (set the other's "
+                             "strength to 0, e.g. --error_feedback.strength 0).")
+        method = self.correction.method
+        if _is_pipeline(trainer):
+            strategy = trainer.strategy
+            schedules.spec(strategy.schedule).require_delay(f"The {method!r} correction")
+            if not self.correction.pipeline_supported:
+                raise ValueError(
+                    f"The {method!r} correction changes the weights the forward reads; the 2BW pipeline keeps two "
+                    "weight versions per stage and cannot. Study it on one device with DelaySimulation "
+                    "(recipes modes/delayed + corrections/" + method + ")."
+                )
+            strategy.correction_settings = self.settings
+            return
+        sources = [cb for cb in trainer.callbacks if isinstance(cb, DelaySimulation) and cb.active]
+        if not sources:
+            raise ValueError(
+                f"{self.describe()} needs a delay source: add DelaySimulation(delay>=1) (recipe modes/delayed) "
+                "or train with strategy='async_pipe'."
+            )
+        for source in sources:
+            source.correction_settings = self.settings
+
+
+class ErrorFeedback(DelayCorrection):
     """Correct the delayed update: applied displacement ``u + strength * (u - u_prev)`` (paper: strength 1).
 
-    Works with a ``DelaySimulation`` callback on one device or with ``strategy="async_pipe"``, through
-    the same code. ``extrapolate_weight_decay=False`` removes the decoupled decay ``lr * wd * x`` from
-    the extrapolated part (the paper's form, the default, extrapolates everything the step changes).
+    ``DelayCorrection("ef", ...)`` under its own name. ``extrapolate_weight_decay=False`` removes the decoupled
+    decay ``lr * wd * x`` from the extrapolated part (the paper's form, the default, extrapolates everything
+    the step changes).
     """
 
     def __init__(self, strength: float = 1.0, extrapolate_weight_decay: bool = True) -> None:
         if strength < 0:
             raise ValueError(f"ErrorFeedback strength must be >= 0, got {strength}.")
-        self.strength, self.extrapolate_weight_decay = float(strength), extrapolate_weight_decay
+        self.extrapolate_weight_decay = extrapolate_weight_decay
+        super().__init__("ef", float(strength), {"extrapolate_weight_decay": extrapolate_weight_decay})
 
-    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if not self.strength or stage != "fit":
-            return
-        if _is_pipeline(trainer):
-            if trainer.strategy.schedule != "2bw":
-                raise ValueError(
-                    f"ErrorFeedback corrects the one-step delay, but the pipeline schedule {trainer.strategy.schedule!r} "
-                    "is synchronous. Use strategy='async_pipe' or remove ErrorFeedback."
-                )
-            trainer.strategy.error_feedback = self.strength
-            trainer.strategy.extrapolate_weight_decay = self.extrapolate_weight_decay
-            return
-        sources = [cb for cb in trainer.callbacks if isinstance(cb, DelaySimulation) and cb.active]
-        if not sources:
-            raise ValueError(
-                "ErrorFeedback needs a delay source: add DelaySimulation(delay>=1) (recipes/modes/delayed-ef.yaml) "
-                "or train with strategy='async_pipe'."
-            )
-        for source in sources:
-            source.error_feedback = self.strength
-            source.extrapolate_weight_decay = self.extrapolate_weight_decay
+    def describe(self) -> str:
+        return "ErrorFeedback"

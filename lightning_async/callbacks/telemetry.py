@@ -12,29 +12,49 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.core.saving import save_hparams_to_yaml
 from lightning.pytorch.utilities import rank_zero_only
 
-from lightning_async.callbacks.delay import DelaySimulation, ErrorFeedback, _is_pipeline
+from lightning_async.callbacks.delay import DelayCorrection, DelaySimulation, _is_pipeline
+from lightning_async.optim.corrections import NO_CORRECTION
+from lightning_async.pipeline import schedules
 
 
 def run_identity(trainer: Trainer, pl_module: LightningModule) -> dict:
-    """``optimizer``, ``mode``, ``ef_strength``, ``delay``, ``seed``, ``lr`` of this run."""
+    """``optimizer``, ``mode``, ``ef_strength``, ``correction``, ``correction_strength``, ``delay``,
+    ``delay_profile``, ``seed``, ``lr`` of this run, from the settings in effect."""
     hparams = dict(getattr(pl_module, "hparams", {}) or {})
-    delay = max((cb.delay for cb in trainer.callbacks if isinstance(cb, DelaySimulation)), default=0)
-    ef = max((cb.strength for cb in trainer.callbacks if isinstance(cb, ErrorFeedback)), default=0.0)
+    sources = [cb for cb in trainer.callbacks if isinstance(cb, DelaySimulation) and cb.active]
+    delay = max((cb.max_delay for cb in sources), default=0)
+    profile = sources[0].profile_label() if sources else "uniform"
+    corrections = [cb.correction for cb in trainer.callbacks if isinstance(cb, DelayCorrection) and cb.active]
     if _is_pipeline(trainer):
-        asynchronous = trainer.strategy.schedule == "2bw"
+        strategy = trainer.strategy
+        asynchronous = schedules.spec(strategy.schedule).delayed
         mode, delay = ("async_pipe", 1) if asynchronous else ("sync_pipe", 0)
-        ef = max(ef, trainer.strategy.error_feedback)  # AsyncPipelineStrategy(error_feedback=...) applies EF too
+        built = strategy.build_correction() if asynchronous and strategy.error_feedback else None
+        corrections += [built] if built is not None else []  # AsyncPipelineStrategy(error_feedback=...) applies EF too
     else:
         mode = "delayed" if delay else "sync"
+    correction = corrections[0] if corrections and (delay or mode == "async_pipe") else None
+    method = correction.method if correction is not None else NO_CORRECTION
     seed = os.environ.get("PL_GLOBAL_SEED")
     return {
         "optimizer": hparams.get("optimizer", "custom"),
         "mode": mode,
-        "ef_strength": float(ef if (delay or mode == "async_pipe") else 0.0),
+        "ef_strength": float(correction.strength) if method == "ef" else 0.0,
+        "correction": method,
+        "correction_strength": float(correction.strength) if correction is not None else 0.0,
         "delay": int(delay),
+        "delay_profile": profile,
         "seed": int(seed) if seed is not None else None,
         "lr": hparams.get("lr"),
     }
+
+
+def live_corrections(trainer: Trainer) -> list:
+    """The correction objects applying updates in this run (the simulation's wrappers', or the pipeline runtime's)."""
+    found = [getattr(opt, "correction", None) for opt in trainer.optimizers]
+    runtime = getattr(trainer.strategy, "runtime", None)
+    found.append(getattr(runtime, "correction", None))
+    return [c for c in found if c is not None and c.enabled]
 
 
 def _group_name(group: dict, index: int) -> str:
@@ -42,7 +62,8 @@ def _group_name(group: dict, index: int) -> str:
 
 
 class RunTelemetry(Callback):
-    """Logs ``lr/<group>``, ``train/grad_norm`` (before clipping), ``train/tokens_per_sec``; writes ``DONE``."""
+    """Logs ``lr/<group>``, ``train/grad_norm`` (before clipping), ``train/tokens_per_sec``, the correction's
+    statistics (``correction/strength`` for adaptive EF); writes ``DONE``."""
 
     def __init__(self, log_every_n_steps: int | None = None) -> None:
         self.log_every_n_steps = log_every_n_steps
@@ -89,6 +110,9 @@ class RunTelemetry(Callback):
                 rates = {_group_name(g, i): g["lr"] for i, g in enumerate(trainer.optimizers[0].param_groups)}
             for name, lr in rates.items():
                 pl_module.log(f"lr/{name}", float(lr))
+            for correction in live_corrections(trainer):  # e.g. the strength adaptive EF chose
+                for name, value in correction.statistics().items():
+                    pl_module.log(f"correction/{name}", float(value))
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._last_time = None  # do not count validation time as training throughput

@@ -1,13 +1,33 @@
-"""Update rules: the optimizer zoo, the delayed step and the Error-Feedback correction (plain torch)."""
+"""Update rules: the optimizer zoo, the delayed step and the staleness corrections (plain torch)."""
 
+from lightning_async.optim.corrections import (
+    CORRECTIONS,
+    AdaptiveErrorFeedback,
+    Correction,
+    DelayCompensation,
+    ErrorFeedback,
+    NesterovLookahead,
+    WeightPrediction,
+    build_correction,
+)
 from lightning_async.optim.delay import DelayedOptimizer, OptimizerWrapper, validate_delay
 from lightning_async.optim.delayed_step import delayed_step
-from lightning_async.optim.error_feedback import ErrorFeedbackCorrection
 from lightning_async.optim.zoo import OPTIMIZER_NAMES, build_optimizer
 
+#: the name of Error Feedback before the corrections became one family (kept for existing code)
+ErrorFeedbackCorrection = ErrorFeedback
+
 __all__ = [
+    "AdaptiveErrorFeedback",
+    "CORRECTIONS",
+    "Correction",
+    "DelayCompensation",
     "DelayedOptimizer",
+    "ErrorFeedback",
     "ErrorFeedbackCorrection",
+    "NesterovLookahead",
+    "WeightPrediction",
+    "build_correction",
     "OPTIMIZER_NAMES",
     "OptimizerWrapper",
     "build_optimizer",

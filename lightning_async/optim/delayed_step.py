@@ -2,7 +2,7 @@
 
 The rule (PipeDream-2BW, BRIEF §1-§2): the newest weights ``x_t`` receive the update ``u`` that the
 optimizer computes from a gradient taken at older weights, ``x_{t+1} = x_t - u``, optionally
-corrected by Error Feedback. The gradient's own weights are no longer needed once it exists, so
+corrected by a staleness correction (Error Feedback and its family, DC-ASGD). The gradient's own weights are no longer needed once it exists, so
 ``x_{t+1}`` is written into *their* storage: the newest version ``x_t`` stays intact for whoever
 still reads it (the next batch's forward on one device, in-flight micro-batches in the pipeline).
 """
@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import torch
 from torch.optim import Optimizer
 
-from lightning_async.optim.error_feedback import ErrorFeedbackCorrection
+from lightning_async.optim.corrections import GRADIENT, UPDATE, Correction
 
 
 #: Per-group hyperparameters that schedulers change during training (LambdaLR/cosine: ``lr``; OneCycleLR and
@@ -53,29 +53,37 @@ def delayed_step(
     grads: Sequence[torch.Tensor | None],
     newest: Sequence[torch.Tensor],
     out: Sequence[torch.Tensor],
-    correction: ErrorFeedbackCorrection | None = None,
+    correction: Correction | None = None,
     hyperparameters: Sequence[dict] | None = None,
 ) -> None:
-    """Write ``newest - u(grads)`` (EF-corrected if asked) into ``out`` and point ``params`` at it.
+    """Write ``newest - u(grads)`` (corrected if asked) into ``out`` and point ``params`` at it.
 
     Args:
         optimizer: optimizer over ``params``; its state advances by one step.
         params: the optimizer's parameter objects; after the call ``p.data`` is ``out[i]``.
         grads: gradients to feed the optimizer (taken at older weights); ``None`` skips a parameter.
         newest: the newest weights ``x_t``; left unchanged (``out`` may alias it for an undelayed step).
-        out: storage receiving ``x_{t+1}``; its old content is overwritten.
-        correction: Error Feedback; needs ``newest`` distinct from ``out`` to read ``u``.
+        out: storage receiving ``x_{t+1}``. Where it is distinct from ``newest`` it holds, on entry, the weights
+            the gradient was taken at (what a gradient-level correction reads); its old content is overwritten.
+        correction: a staleness correction (:mod:`lightning_async.optim.corrections`); gradient-level ones run
+            before the step, update-level ones after it (they need ``newest`` distinct from ``out`` to read ``u``).
         hyperparameters: per-group values (e.g. ``{"lr": ...}``) applied for this step only.
     """
-    copies = [(dst, src) for src, dst in zip(newest, out) if dst.data_ptr() != src.data_ptr()]
-    if copies:
-        torch._foreach_copy_([dst for dst, _ in copies], [src for _, src in copies])
+    active = correction is not None and correction.enabled
+    delayed = [(p, src, dst) for p, src, dst in zip(params, newest, out) if dst.data_ptr() != src.data_ptr()]
+    if active and correction.level == GRADIENT:
+        correction.compensate_(
+            optimizer, {p: g for p, g in zip(params, grads) if g is not None},
+            newest={p: src for p, src, _ in delayed}, stale={p: dst for p, _, dst in delayed},
+        )
+    if delayed:
+        torch._foreach_copy_([dst for _, _, dst in delayed], [src for _, src, _ in delayed])
     for p, g, dst in zip(params, grads, out):
         p.data = dst
         p.grad = g
     with group_values(optimizer, hyperparameters):
         optimizer.step()
-        if correction is not None and correction.enabled:
-            correction.correct_(optimizer, {p: src for p, src in zip(params, newest) if p.data_ptr() != src.data_ptr()})
+        if active and correction.level == UPDATE:
+            correction.correct_(optimizer, {p: src for p, src, _ in delayed})
     for p in params:
         p.grad = None

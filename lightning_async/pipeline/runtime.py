@@ -25,7 +25,7 @@ from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
 from lightning_async.optim.delayed_step import delayed_step, scheduled_values
-from lightning_async.optim.error_feedback import ErrorFeedbackCorrection
+from lightning_async.optim.corrections import Correction
 from lightning_async.pipeline import schedules
 from lightning_async.pipeline.boundary import NO_CONTEXT, call_unit, flatten, rows, signature, split_rows, takes_context, unit_arguments
 from lightning_async.pipeline.p2p import PeerFailure, StageTransport
@@ -181,7 +181,8 @@ class PipelineRuntime:
         loss_fn: ``(outputs, targets) -> scalar mean loss`` (last stage).
         groups: ranks and process groups; defaults to a single process.
         gradient_clip_val: global-norm clipping over all stages (``None``/0: off).
-        error_feedback: Error-Feedback correction (``2bw`` only).
+        correction: a staleness correction (``2bw`` only; gradient- or update-level: Error Feedback, adaptive
+            EF, the Nesterov-style look-ahead, DC-ASGD).
         tied_parameters: names (in ``stage_module``) of weights shared between first and last stage.
         count_tied_in_norm: whether this stage counts the tied weights in the global norm.
         autocast: context manager factory for forwards (e.g. bf16 autocast).
@@ -202,7 +203,7 @@ class PipelineRuntime:
         loss_fn: Callable,
         groups: PipelineGroups | None = None,
         gradient_clip_val: float | None = None,
-        error_feedback: ErrorFeedbackCorrection | None = None,
+        correction: Correction | None = None,
         tied_parameters: Sequence[str] = (),
         count_tied_in_norm: bool = True,
         autocast: Callable = contextlib.nullcontext,
@@ -212,15 +213,20 @@ class PipelineRuntime:
     ) -> None:
         self.groups = groups or PipelineGroups()
         schedules.validate(schedule, self.groups.num_stages, num_microbatches)
-        if error_feedback is not None and error_feedback.enabled and schedule != "2bw":
+        if correction is not None and correction.enabled and schedule != "2bw":
             raise ValueError(
-                f"Error Feedback corrects the one-step delay of schedule '2bw'; schedule {schedule!r} has no delay. "
-                "Use strategy='async_pipe' or remove the ErrorFeedback callback."
+                f"The {correction.method!r} correction corrects the one-step delay of schedule '2bw'; schedule "
+                f"{schedule!r} has no delay. Use strategy='async_pipe' or remove the correction."
+            )
+        if correction is not None and correction.enabled and not correction.pipeline_supported:
+            raise ValueError(
+                f"The {correction.method!r} correction changes the weights the forward reads, which needs a third "
+                "weight version per stage; the 2BW runtime keeps two. Study it on one device (DelaySimulation)."
             )
         self.module, self.optimizer, self.schedule, self.m = stage_module, optimizer, schedule, num_microbatches
         self.split_batch, self.loss_fn = split_batch, loss_fn
         self.clip = gradient_clip_val or None
-        self.correction = error_feedback
+        self.correction = correction
         self.autocast = autocast
         self.context_fn = context_fn
         self.activation_checkpointing = bool(activation_checkpointing)
@@ -529,24 +535,24 @@ class PipelineRuntime:
 
     # ---- accounting -------------------------------------------------------------------------------
     def memory_report(self) -> dict[str, int]:
-        """Bytes this stage holds: one weight version, all versions, optimizer state, the EF buffer."""
+        """Bytes this stage holds: one weight version, all versions, optimizer state, the correction's buffers."""
 
         def nbytes(tensors) -> int:
             return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
         state = [v for per_param in self.optimizer.state.values() for v in per_param.values()]
-        ef = self.correction.previous_update.values() if self.correction is not None else []
+        ef = self.correction.buffers() if self.correction is not None else []
         return {
             "parameters": nbytes(self.params),
             "weight_versions": sum(nbytes(slot) for slot in self.slots),
             "optimizer_state": nbytes(state),
-            "error_feedback": nbytes(ef),
+            "correction": nbytes(ef),
             "in_flight_microbatches": len(self._inflight),
         }
 
     # ---- checkpoint -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Both weight versions, counters and the Error-Feedback buffers (call after :meth:`drain`)."""
+        """Both weight versions, counters and the correction's buffers (call after :meth:`drain`)."""
         if not self.fresh:
             raise RuntimeError("PipelineRuntime.state_dict() needs an empty pipeline: call drain() first.")
         return {
@@ -554,7 +560,7 @@ class PipelineRuntime:
             "batches_done": self.batches_done,
             "slots": [[t.detach().to("cpu", copy=True) for t in slot] for slot in self.slots],  # no GPU spike
             "newest_slot": next(i for i, s in enumerate(self.slots) if s[0].data_ptr() == self.params[0].data_ptr()),
-            "error_feedback": None if self.correction is None else self.correction.state_dict(self.params),
+            "correction": None if self.correction is None else self.correction.state_dict(self.params),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -567,6 +573,7 @@ class PipelineRuntime:
                     t.copy_(s)
         for p, t in zip(self.params, self.slots[state["newest_slot"]]):
             p.data = t.data
-        if self.correction is not None and state["error_feedback"] is not None:
-            self.correction.load_state_dict(state["error_feedback"], self.params)
+        saved = state.get("correction", state.get("error_feedback"))  # (the key of checkpoints before 0.2)
+        if self.correction is not None and saved is not None:
+            self.correction.load_state_dict(saved, self.params)
         self.fresh = True

@@ -27,6 +27,51 @@ FORWARD, BACKWARD, UPDATE = "F", "B", "U"
 
 
 @dataclass(frozen=True)
+class ScheduleSpec:
+    """What a schedule means for everything outside the action lists (the one place that says it).
+
+    Attributes:
+        name: ``gpipe``, ``1f1b`` or ``2bw``.
+        delayed: updates apply gradients one step stale (no flush between batches): staleness corrections apply.
+        weight_versions: weight versions a stage keeps (2BW: two, ``slot[b % 2]`` holds ``V(b)``).
+        flushes: the pipeline is empty at every batch boundary.
+        loss_lag: a training step can report the loss of the batch this many steps back without waiting
+            (2BW: the last stage finishes batch ``b`` while the first stage already runs ``b + 1``).
+    """
+
+    name: str
+    delayed: bool
+    weight_versions: int
+    flushes: bool
+    loss_lag: int
+
+    def require_delay(self, what: str) -> None:
+        """Refuse ``what`` (a correction, EF) on a schedule without a delay, naming the fix."""
+        if not self.delayed:
+            raise ValueError(
+                f"{what} corrects the one-step delay of schedule '2bw', but schedule {self.name!r} is synchronous "
+                "(no delay). Use strategy='async_pipe' (schedule='2bw') or remove the correction."
+            )
+
+
+SPECS = {
+    "gpipe": ScheduleSpec("gpipe", delayed=False, weight_versions=1, flushes=True, loss_lag=0),
+    "1f1b": ScheduleSpec("1f1b", delayed=False, weight_versions=1, flushes=True, loss_lag=0),
+    "2bw": ScheduleSpec("2bw", delayed=True, weight_versions=2, flushes=False, loss_lag=1),
+}
+
+
+def spec(schedule: str) -> ScheduleSpec:
+    """The :class:`ScheduleSpec` of ``schedule`` (a clear error for an unknown name)."""
+    if schedule not in SPECS:
+        raise ValueError(
+            f"Unknown pipeline schedule {schedule!r}. Choose one of: {', '.join(SCHEDULES)} "
+            "(or strategy='async_pipe', 'sync_pipe', 'gpipe_pipe')."
+        )
+    return SPECS[schedule]
+
+
+@dataclass(frozen=True)
 class Action:
     kind: str  # "F", "B" or "U"
     microbatch: int  # global micro-batch index; for "U" the last micro-batch of the batch

@@ -28,7 +28,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import nn
 
 from lightning_async.callbacks.divergence import DivergenceGuard
-from lightning_async.optim.error_feedback import ErrorFeedbackCorrection
+from lightning_async.optim.corrections import ErrorFeedback, build_correction
 from lightning_async.pipeline import checkpoint as pipeline_checkpoint
 from lightning_async.pipeline import schedules
 from lightning_async.pipeline.groups import make_pipeline_groups
@@ -168,6 +168,7 @@ class AsyncPipelineStrategy(DDPStrategy):
         self.partition = partition
         self.error_feedback = float(error_feedback)
         self.extrapolate_weight_decay = extrapolate_weight_decay
+        self.correction_settings: dict | None = None  # set by a DelayCorrection callback (build_correction's kwargs)
         self.activation_checkpointing = bool(activation_checkpointing)
         self.runtime: PipelineRuntime | None = None
         self.stage_units: list[list[str]] = []
@@ -340,9 +341,7 @@ class AsyncPipelineStrategy(DDPStrategy):
             # of a pipeline call on every rank; that cannot be drained consistently.
             self.cluster_environment.auto_requeue = False
         self._synchronize_initial_weights(groups, stage_module, tied)
-        correction = None
-        if self.error_feedback:
-            correction = ErrorFeedbackCorrection(self.error_feedback, self.extrapolate_weight_decay)
+        correction = self.build_correction()
         # validate/test without fit: the runtime needs an optimizer object but never steps it
         optimizer = self.optimizers[0] if self.optimizers else torch.optim.SGD(stage_module.parameters(), lr=0.0)
         clip = trainer.gradient_clip_val if trainer.state.fn == TrainerFn.FITTING else None
@@ -357,7 +356,7 @@ class AsyncPipelineStrategy(DDPStrategy):
             loss_fn=module.pipeline_loss,
             groups=groups,
             gradient_clip_val=clip,
-            error_feedback=correction,
+            correction=correction,
             tied_parameters=tied,
             count_tied_in_norm=self.stage == 0,
             autocast=self.precision_plugin.forward_context,
@@ -365,6 +364,15 @@ class AsyncPipelineStrategy(DDPStrategy):
             context_fn=getattr(module, "pipeline_context", None),
             activation_checkpointing=self.activation_checkpointing,
         )
+
+    def build_correction(self):
+        """This stage's staleness correction: the callback's, else ``error_feedback`` of the constructor."""
+        if self.correction_settings is not None:
+            if self.error_feedback:
+                raise ValueError("AsyncPipelineStrategy(error_feedback=...) and a DelayCorrection callback are both set; "
+                                 "choose one correction.")
+            return build_correction(**self.correction_settings)
+        return ErrorFeedback(self.error_feedback, self.extrapolate_weight_decay) if self.error_feedback else None
 
     def _stop_on_sigterm(self, trainer) -> None:
         """SIGTERM to any rank stops the whole pipeline within seconds, with exit status 1.

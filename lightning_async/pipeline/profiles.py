@@ -1,0 +1,83 @@
+"""Delay profiles: how stale each pipeline unit's weights are, for the single-device simulation.
+
+PipeDream-2BW gives every stage the same one-step delay. The original PipeDream (no 2BW, 1F1B without a flush)
+gives stage ``s`` of ``p`` a delay of ``p - 1 - s`` steps: the first stage's weights are the stalest, the last
+stage's are current. A profile says which delay each unit gets; :func:`parameter_delays` turns it into the
+per-parameter delays of :class:`~lightning_async.optim.DelayedOptimizer`, using the same partition of units
+into stages as the real pipeline (:func:`~lightning_async.pipeline.partition.partition_units`).
+
+Profiles: ``"uniform"`` (every unit ``delay``), ``"2bw"`` (every unit 1), ``"pipedream"`` (``p - 1 - s``,
+needs ``stages``), a list of per-stage delays (its length is the number of stages), or a mapping from unit
+names to delays (units not named get ``delay``). A weight shared by several units (tied embeddings) takes the
+delay of the first unit that holds it (the embedding: the stalest).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from lightning_async.pipeline.partition import partition_units
+
+NAMED_PROFILES = ("uniform", "2bw", "pipedream")
+
+Profile = str | Sequence[int] | Mapping[str, int] | None
+
+
+def stage_delays(profile: Profile, stages: int | None, delay: int) -> list[int] | None:
+    """Per-stage delays of a named or listed profile (``None`` for a mapping or no profile)."""
+    if profile is None or isinstance(profile, Mapping):
+        return None
+    if isinstance(profile, str):
+        if profile not in NAMED_PROFILES:
+            raise ValueError(f"Unknown delay profile {profile!r}. Choose one of {', '.join(NAMED_PROFILES)}, a list of "
+                             "per-stage delays, or a mapping from unit names to delays.")
+        if profile == "pipedream":
+            if not isinstance(stages, int) or stages < 1:
+                raise ValueError("The 'pipedream' delay profile needs the number of stages: set stages (e.g. 4).")
+            return [stages - 1 - s for s in range(stages)]
+        return [delay if profile == "uniform" else 1] * (stages or 1)
+    delays = list(profile)
+    if stages is not None and len(delays) != stages:
+        raise ValueError(f"The delay profile lists {len(delays)} per-stage delays for {stages} stages; give one per stage.")
+    return delays
+
+
+def unit_delays(units: Sequence[tuple[str, nn.Module]], profile: Profile, stages: int | None, delay: int,
+                partition: str | Sequence[str] = "uniform") -> dict[str, int]:
+    """Each unit's delay under ``profile`` (units split into stages like the pipeline's ``partition``)."""
+    names = [name for name, _ in units]
+    if isinstance(profile, Mapping):
+        unknown = sorted(set(profile) - set(names))
+        if unknown:
+            raise ValueError(f"The delay profile names unknown unit(s) {unknown}; the units are: {', '.join(names)}.")
+        return {name: int(profile.get(name, delay)) for name in names}
+    per_stage = stage_delays(profile, stages, delay)
+    if per_stage is None:
+        return {name: delay for name in names}
+    split = partition_units(units, len(per_stage), partition)
+    return {name: per_stage[s] for s, stage in enumerate(split) for name in stage}
+
+
+def parameter_delays(units: Sequence[tuple[str, nn.Module]], by_unit: Mapping[str, int]) -> dict[torch.Tensor, int]:
+    """Per-parameter delays from per-unit delays (a shared weight keeps its first unit's delay)."""
+    delays: dict[torch.Tensor, int] = {}
+    for name, module in units:
+        for p in module.parameters():
+            delays.setdefault(p, by_unit[name])
+    return delays
+
+
+def describe(profile: Profile, stages: int | None, delay: int) -> str:
+    """A short label for a run's record: ``uniform``, ``pipedream-4``, ``[3, 2, 1, 0]`` or ``units``."""
+    if profile is None or profile == "uniform":
+        return "uniform"
+    if profile == "pipedream":
+        return f"pipedream-{stages}"
+    if isinstance(profile, str):
+        return profile
+    if isinstance(profile, Mapping):
+        return "units"
+    return str(list(profile))
