@@ -79,22 +79,12 @@ class Workload:
             unit = SleepStage(self.tf, self.tb)
             return [("sleep", unit)], [("sleep.w", unit.w)], []
         from lightning_async.models import SmolLM2, model_config
-        from lightning_async.pipeline.partition import partition_units
+        from lightning_async.pipeline.stage import build_rank_stage
 
         torch.manual_seed(0)
         model = SmolLM2(model_config("tiny"))
-        units = [(f"model.{n}", u) for n, u in model.pipeline_units()]
-        names = partition_units(units, self.p, "uniform")
-        local = [(n, u) for n, u in units if n in names[stage]]
-        seen, named = set(), []
-        for n, u in local:
-            for pn, prm in u.named_parameters():
-                if id(prm) not in seen:
-                    seen.add(id(prm))
-                    named.append((f"{n}.{pn}", prm))
-        from lightning_async.pipeline.runtime import build_stage
-
-        return local, named, build_stage(units, names, stage)[1]
+        built = build_rank_stage([(f"model.{n}", u) for n, u in model.pipeline_units()], stage, num_stages=self.p)
+        return list(zip(built.module.unit_names, built.module.units)), built.named_parameters, built.tied
 
     def split(self):
         if self.kind == "sleep":
@@ -139,7 +129,7 @@ class Workload:
 
 def time_stage(work: Workload, stage: int, reps: int = 15) -> tuple[float, float]:
     """Median forward and backward seconds of one micro-batch on this stage (real compute)."""
-    from lightning_async.pipeline.runtime import StageModule
+    from lightning_async.pipeline.stage import StageModule
 
     units, _, _ = work.build(stage)
     module = StageModule(units)

@@ -38,7 +38,8 @@ from lightning_async.lm import CausalLM
 from lightning_async.models import MODEL_CONFIGS, model_config
 from lightning_async.models.objective import next_token_loss, split_next_token
 from lightning_async.optim import DelayedOptimizer, OPTIMIZER_NAMES, build_optimizer
-from lightning_async.pipeline.runtime import PipelineRuntime, StageModule
+from lightning_async.pipeline.runtime import PipelineRuntime
+from lightning_async.pipeline.stage import StageModule
 
 
 def sync(device: torch.device) -> None:

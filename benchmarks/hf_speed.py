@@ -38,7 +38,8 @@ from lightning_async.optim import build_optimizer  # noqa: E402
 from lightning_async.pipeline.groups import make_pipeline_groups  # noqa: E402
 from lightning_async.pipeline.local import run_local  # noqa: E402
 from lightning_async.pipeline.partition import partition_units  # noqa: E402
-from lightning_async.pipeline.runtime import PipelineRuntime, build_stage  # noqa: E402
+from lightning_async.pipeline.runtime import PipelineRuntime  # noqa: E402
+from lightning_async.pipeline.stage import build_rank_stage  # noqa: E402
 
 RECIPE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "recipes", "models", "hf-llama-tiny.yaml")
 VOCAB = 257
@@ -137,11 +138,11 @@ def stage_runtime(kind: str, stages: int, m: int) -> PipelineRuntime:
     rank = dist.get_rank()
     module = build(kind)
     units = module.pipeline_units()
-    split = partition_units(units, stages, SECOND_STAGE_STARTS[kind])
-    stage_module, tied = build_stage(units, split, rank)
+    stage = build_rank_stage(units, rank, partition_units(units, stages, SECOND_STAGE_STARTS[kind]))
     return PipelineRuntime(
-        stage_module, optimizer(stage_module.named_parameters()), "2bw", m, split_next_token, next_token_loss, make_pipeline_groups(rank, stages, stages),
-        tied_parameters=tied, count_tied_in_norm=rank == 0, context_fn=module.pipeline_context,
+        stage.module, optimizer(stage.module.named_parameters()), "2bw", m, split_next_token, next_token_loss,
+        make_pipeline_groups(rank, stages, stages), tied_parameters=stage.tied, count_tied_in_norm=rank == 0,
+        context_fn=module.pipeline_context,
     )
 
 

@@ -8,10 +8,10 @@ Two parts, one table each:
   bytes of live gradient buffers (slot ``.grad`` plus gradients waiting in a pending 2BW update) at every forward
   and backward, and the process's peak RSS growth over the run (``VmHWM`` after resetting it through
   ``/proc/self/clear_refs``; on CUDA ``torch.cuda.max_memory_allocated`` growth instead). Next to it, the theory
-  of ``simulator.memory_model``: 2BW keeps one more weight version per stage, EF one parameter-sized buffer,
+  of ``timing.memory_model``: 2BW keeps one more weight version per stage, EF one parameter-sized buffer,
   activations for the peak in-flight micro-batches of ``simulate`` (``p - s`` on stage ``s``), each the bytes
   saved for backward by one micro-batch of that stage (counted with ``saved_tensors_hooks``).
-* **analytic** (``smollm2-135m`` and ``smollm2-360m`` at p in {4, 8}, m = 2p): ``simulate.measure_model`` sizes one
+* **analytic** (``smollm2-135m`` and ``smollm2-360m`` at p in {4, 8}, m = 2p): ``measure.measure_model`` sizes one
   embedding, block and head (fp32, activations saved for backward per micro-batch, the head measured on 256
   tokens and scaled), ``stage_costs_from_measurement`` splits the layers evenly, and ``memory_model`` gives the
   per-stage totals with AdamW (2 fp32 states per parameter).
@@ -47,9 +47,11 @@ from lightning_async.pipeline.local import run_local  # noqa: E402
 from lightning_async.pipeline.partition import partition_units  # noqa: E402
 from lightning_async.pipeline import runtime as runtime_module  # noqa: E402
 from lightning_async.pipeline.boundary import flatten  # noqa: E402
-from lightning_async.pipeline.runtime import PipelineRuntime, StageModule, build_stage  # noqa: E402
-from lightning_async.pipeline.simulator import memory_model, simulate  # noqa: E402
-from lightning_async.simulate import SavedTensorBytes, measure_model, stage_costs_from_measurement  # noqa: E402
+from lightning_async.pipeline.runtime import PipelineRuntime  # noqa: E402
+from lightning_async.pipeline.stage import StageModule, build_rank_stage  # noqa: E402
+from lightning_async.pipeline.measure import SavedTensorBytes, measure_model  # noqa: E402
+from lightning_async.pipeline.timing import memory_model, simulate  # noqa: E402
+from lightning_async.tools.stage_costs import stage_costs_from_measurement  # noqa: E402
 
 # config -> (schedule, EF strength, activation checkpointing)
 CONFIGS = {"1f1b": ("1f1b", None, False), "2bw": ("2bw", None, False), "2bw+ef": ("2bw", 1.0, False), "2bw+ckpt": ("2bw", None, True)}
@@ -98,12 +100,8 @@ def build_model_stage(model_name: str, p: int, stage: int):
     model = SmolLM2(model_config(model_name))
     units = [(f"model.{n}", u) for n, u in model.pipeline_units()]
     names = partition_units(units, p, "uniform")
-    module, tied = build_stage(units, names, stage)
-    seen, named = set(), []
-    for n, prm in module.named_parameters():
-        if id(prm) not in seen:
-            seen.add(id(prm))
-            named.append((n, prm))
+    built = build_rank_stage(units, stage, names)
+    module, named, tied = built.module, built.named_parameters, built.tied
     # A representative input of this stage: the previous stages' output on the first micro-batch.
     return module, named, tied, [u for n, u in units if n in {x for s in range(stage) for x in names[s]}], model
 

@@ -1,12 +1,14 @@
-"""Overhead of the delayed update and Error Feedback, for every optimizer in the zoo.
+"""Overhead of the delayed update and of each staleness correction, for every optimizer in the zoo.
 
-For each optimizer: bare, ``DelayedOptimizer(opt, delay=1)`` and ``DelayedOptimizer(opt, delay=1,
-error_feedback=1.0)``, each with ``pairing="fifo"`` and ``"2bw"``. Times a full training step
+For each optimizer: bare, ``DelayedOptimizer(opt, delay=1)`` and with Error Feedback, each with
+``pairing="fifo"`` and ``"2bw"``, and (2bw) each other correction of ``lightning_async.optim.corrections``
+(adaptive EF, the Nesterov-style look-ahead, DC-ASGD, weight prediction), compared with bare and with EF
+in the same run. Times a full training step
 (forward + backward + optimizer step + zero_grad) and the optimizer step alone, as ratios to bare
 within one run; repetitions are interleaved (every variant once per round, in a shuffled order)
 so drifts in machine load hit all variants alike. Memory: on CUDA the peak allocated during a few
 steps of each variant alone; everywhere, the bytes of persistent buffers the wrapper holds between
-steps (gradient queue, stashed weight versions, EF buffer) relative to the parameter bytes.
+steps (gradient queue, stashed weight versions, the correction's buffers) relative to the parameter bytes.
 
     python benchmarks/optim_overhead.py --model tiny --device cpu --json overhead.json
 """
@@ -24,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_async.models import SmolLM2, model_config
-from lightning_async.optim import DelayedOptimizer
+from lightning_async.optim import CORRECTIONS, DelayedOptimizer, build_correction
 from lightning_async.optim.zoo import OPTIMIZER_NAMES, build_optimizer
 
 VARIANTS = {
@@ -33,7 +35,9 @@ VARIANTS = {
     "delay-2bw": dict(delay=1, pairing="2bw"),
     "delay+EF-fifo": dict(delay=1, error_feedback=1.0, pairing="fifo"),
     "delay+EF-2bw": dict(delay=1, error_feedback=1.0, pairing="2bw"),
+    **{f"+{method}-2bw": dict(delay=1, pairing="2bw", correction=method) for method in CORRECTIONS if method != "ef"},
 }
+EF = "delay+EF-2bw"  # the reference of the "x EF" columns
 LR = {"muon": 0.02, "normuon": 0.02, "lion": 3e-4}
 
 
@@ -46,7 +50,9 @@ def make(name: str, base: SmolLM2, variant: dict | None):
     model = copy.deepcopy(base)
     opt = build_optimizer(name, model.named_parameters(), lr=LR.get(name, 1e-3), weight_decay=0.1)
     if variant is not None:
-        opt = DelayedOptimizer(opt, **variant)
+        variant = dict(variant)
+        method = variant.pop("correction", None)
+        opt = DelayedOptimizer(opt, **variant, correction=build_correction(method) if method else None)
     return model, opt
 
 
@@ -73,7 +79,7 @@ def wrapper_bytes(model, opt) -> int:
     params = {p.data.data_ptr() for p in model.parameters()}
     tensors = [t for grads in opt._grad_queue for t in grads if t is not None]
     tensors += opt.weight_versions()
-    tensors += list(opt.correction.previous_update.values())
+    tensors += opt.correction.buffers()
     seen, total = set(), 0
     for t in tensors:
         ptr = t.data_ptr()
@@ -90,7 +96,7 @@ def state_bytes(opt) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny", choices=["tiny", "small", "smollm2-135m"])
+    parser.add_argument("--model", default="tiny", choices=["nano", "tiny", "small", "smollm2-135m"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZER_NAMES), choices=OPTIMIZER_NAMES)
     parser.add_argument("--batch", type=int, default=16)
@@ -111,7 +117,8 @@ def main() -> None:
     rows = []
     print(f"model={args.model} device={device} batch={args.batch}x{args.seq} params={param_bytes / 2**20:.1f} MiB "
           f"torch={torch.__version__} threads={torch.get_num_threads()}")
-    header = f"{'optimizer':9} {'variant':14} {'step ms':>8} {'x bare':>7} {'opt ms':>8} {'x bare':>7} {'buffers/params':>14} {'peak MiB':>9}"
+    header = (f"{'optimizer':9} {'variant':24} {'step ms':>8} {'x bare':>7} {'x EF':>6} {'opt ms':>8} {'x bare':>7} {'x EF':>6} "
+              f"{'buffers/params':>14} {'peak MiB':>9}")
     print(header)
     print("-" * len(header))
     for name in args.optimizers:
@@ -141,17 +148,17 @@ def main() -> None:
                     train_step(model, opt, batches[i], device)
                 peaks[v] = torch.cuda.max_memory_allocated(device) / 2**20
                 del model, opt
-        bare_full = statistics.median(times["bare"][0])
-        bare_step = statistics.median(times["bare"][1])
+        bare_full, bare_step = statistics.median(times["bare"][0]), statistics.median(times["bare"][1])
+        ef_full, ef_step = statistics.median(times[EF][0]), statistics.median(times[EF][1])
         for v in VARIANTS:
             full, step = statistics.median(times[v][0]), statistics.median(times[v][1])
-            row = dict(optimizer=name, variant=v, step_ms=1e3 * full, step_ratio=full / bare_full, opt_ms=1e3 * step,
-                       opt_ratio=step / bare_step, buffer_ratio=extra[v], optimizer_state_ratio=opt_state,
-                       peak_mib=peaks.get(v))
+            row = dict(optimizer=name, variant=v, step_ms=1e3 * full, step_ratio=full / bare_full, step_vs_ef=full / ef_full,
+                       opt_ms=1e3 * step, opt_ratio=step / bare_step, opt_vs_ef=step / ef_step, buffer_ratio=extra[v],
+                       optimizer_state_ratio=opt_state, peak_mib=peaks.get(v))
             rows.append(row)
             peak = f"{peaks[v]:9.1f}" if v in peaks else f"{'-':>9}"
-            print(f"{name:9} {v:14} {row['step_ms']:8.1f} {row['step_ratio']:7.3f} {row['opt_ms']:8.2f} {row['opt_ratio']:7.3f} "
-                  f"{extra[v]:14.2f} {peak}")
+            print(f"{name:9} {v:24} {row['step_ms']:8.1f} {row['step_ratio']:7.3f} {row['step_vs_ef']:6.3f} "
+                  f"{row['opt_ms']:8.2f} {row['opt_ratio']:7.3f} {row['opt_vs_ef']:6.3f} {extra[v]:14.2f} {peak}")
         print(f"{'':9} (optimizer state: {opt_state:.2f} x parameter bytes)")
     if args.json:
         with open(args.json, "w") as f:

@@ -13,7 +13,7 @@ Configurations:
   the schedule and the runtime's overheads on a machine with fewer cores than stages).
 
 Efficiency is the bubble-free time ``max_s m (tf_s + tb_s)`` per batch divided by the measured time per batch.
-The prediction is :func:`lightning_async.pipeline.simulator.simulate_lists` over the same action lists and the
+The prediction is :func:`lightning_async.pipeline.timing.simulate_lists` over the same action lists and the
 same window, with the stage times (known for sleep stages, timed on each rank before the run for real ones), the
 measured one-hop p2p latency and the measured optimizer step. Each rank also splits its time into compute,
 p2p waits, updates and the rest (runtime Python), to show where time goes.
@@ -42,8 +42,9 @@ from _stages import SLEEP_WIDTH, Workload, p2p_probe, ping_pong, spawn, time_sta
 from lightning_async.optim import build_optimizer  # noqa: E402
 from lightning_async.pipeline import schedules as S  # noqa: E402
 from lightning_async.pipeline.groups import make_pipeline_groups  # noqa: E402
-from lightning_async.pipeline.runtime import PipelineRuntime, StageModule  # noqa: E402
-from lightning_async.pipeline.simulator import predict, simulate_lists  # noqa: E402
+from lightning_async.pipeline.runtime import PipelineRuntime  # noqa: E402
+from lightning_async.pipeline.stage import StageModule  # noqa: E402
+from lightning_async.pipeline.timing import predict, simulate_lists  # noqa: E402
 
 TORCH = "torch-1F1B"
 ORDER = (TORCH, "1f1b", "gpipe", "2bw", "1f1b-fused", "2bw-fused")

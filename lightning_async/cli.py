@@ -1,5 +1,5 @@
 """The ``lightning-async`` command: LightningCLI (``fit``, ``validate``, ``test``) plus ``compare``,
-``study``, ``probe``, ``simulate``, ``recipes`` and ``export``.
+``study``, ``probe``, ``plan`` (old name ``simulate``), ``recipes`` and ``export``.
 
 Recipes compose through repeated ``--config`` (later files win); a value that is not a file is the name of
 a shipped recipe (``--config quickstart --config optimizers/muon``, :mod:`lightning_async.recipes_index`).
@@ -38,9 +38,10 @@ from lightning_async.recipes_index import RecipeNotFound, resolve_config_args
 # subcommand -> (module, function); imported lazily so `fit` does not pay for matplotlib & co.
 TOOLS = {
     "compare": ("lightning_async.compare", "compare_main"),
-    "study": ("lightning_async.study", "study_main"),
-    "probe": ("lightning_async.probe", "probe_main"),
-    "simulate": ("lightning_async.simulate", "simulate_main"),
+    "study": ("lightning_async.tools.study", "study_main"),
+    "probe": ("lightning_async.tools.probe", "probe_main"),
+    "plan": ("lightning_async.tools.plan", "plan_main"),
+    "simulate": ("lightning_async.tools.plan", "simulate_main"),  # the old name of `plan`: says so, then plans
     "recipes": ("lightning_async.recipes_index", "recipes_main"),
     "export": ("lightning_async.export", "export_main"),
 }

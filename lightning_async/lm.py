@@ -29,14 +29,31 @@ class CausalLMTraining(LightningModule):
     """Next-token training shared by the causal LMs: objective, loss/perplexity/tokens logging, the zoo's
     optimizers with warmup + cosine, tokens seen in checkpoints.
 
-    A subclass calls ``super().__init__()`` then ``self.save_hyperparameters()``; its hyperparameters must
-    include ``optimizer``, ``lr``, ``weight_decay``, ``optimizer_kwargs``, ``warmup_fraction`` and
-    ``min_lr_fraction``. It defines ``forward(input_ids) -> logits``, ``pipeline_units()``,
+    A subclass takes its own arguments and ``**training`` (the arguments below, which it passes on with
+    ``super().__init__(**training)``: the CLI and ``save_hyperparameters`` see all of them, so every model shares
+    one list of training settings). It defines ``forward(input_ids) -> logits``, ``pipeline_units()``,
     ``max_seq_len`` and ``_depth_and_width()`` (layers, hidden size: for :meth:`flops_per_token`).
+
+    Args:
+        optimizer: a name from the zoo (:data:`lightning_async.optim.OPTIMIZER_NAMES`).
+        lr: peak learning rate (for the Muon family: of the matrices; see the optimizer recipes).
+        weight_decay: decoupled weight decay of the decayed groups.
+        optimizer_kwargs: extra arguments for the zoo (betas, momentum, a separate AdamW lr, ...).
+        warmup_fraction: share of steps with linear warmup (paper: 0.1).
+        min_lr_fraction: cosine decays to this fraction of the peak (paper: 0.1).
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        optimizer: str = "adamw",
+        lr: float = 3e-3,
+        weight_decay: float = 0.1,
+        optimizer_kwargs: dict | None = None,
+        warmup_fraction: float = 0.1,
+        min_lr_fraction: float = 0.1,
+    ) -> None:
         super().__init__()
+        self.save_hyperparameters()  # (with the subclass's own arguments: Lightning collects the whole chain)
         # Losses reaching log_loss are already averaged over every rank (the pipeline reduces them),
         # so the metrics must not sync again.
         self.test_loss = MeanMetric(sync_on_compute=False)
@@ -133,31 +150,21 @@ class CausalLM(CausalLMTraining):
     Args:
         model: named shape (``nano``, ``tiny``, ``small``, ``smollm2-135m``, ``smollm2-360m``).
         vocab_size: set from the tokenizer (the CLI links it from the data module).
-        optimizer: a name from the zoo (:data:`lightning_async.optim.OPTIMIZER_NAMES`).
-        lr: peak learning rate (for the Muon family: of the matrices; see the optimizer recipes).
-        weight_decay: decoupled weight decay of the decayed groups.
-        optimizer_kwargs: extra arguments for the zoo (betas, momentum, a separate AdamW lr, ...).
-        warmup_fraction: share of steps with linear warmup (paper: 0.1).
-        min_lr_fraction: cosine decays to this fraction of the peak (paper: 0.1).
         model_overrides: shape fields to change (e.g. ``{"num_layers": 2}``).
         compile: ``torch.compile`` each block (and per stage under the pipeline).
+        training: ``optimizer``, ``lr``, ``weight_decay``, ``optimizer_kwargs``, ``warmup_fraction``,
+            ``min_lr_fraction`` (:class:`CausalLMTraining`).
     """
 
     def __init__(
         self,
         model: str = "tiny",
         vocab_size: int | None = None,
-        optimizer: str = "adamw",
-        lr: float = 3e-3,
-        weight_decay: float = 0.1,
-        optimizer_kwargs: dict | None = None,
-        warmup_fraction: float = 0.1,
-        min_lr_fraction: float = 0.1,
         model_overrides: dict | None = None,
         compile: bool = False,
+        **training,
     ) -> None:
-        super().__init__()
-        self.save_hyperparameters()
+        super().__init__(**training)
         self.config = model_config(model, vocab_size=vocab_size, **(model_overrides or {}))
         self.model = SmolLM2(self.config)
         if compile:

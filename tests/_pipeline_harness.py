@@ -12,16 +12,16 @@ import torch.distributed as dist
 from lightning_async.models import SmolLM2, model_config
 from lightning_async.models.objective import next_token_loss, split_next_token
 from lightning_async.optim import DelayedOptimizer, build_correction, build_optimizer
-from lightning_async.pipeline.groups import make_pipeline_groups
 from lightning_async.pipeline.boundary import split_rows
-from lightning_async.pipeline.local import free_port, run_local
-from lightning_async.pipeline.partition import partition_units
-from lightning_async.pipeline.runtime import PipelineRuntime, build_stage
+from lightning_async.pipeline.groups import make_pipeline_groups
+from lightning_async.pipeline.local import free_port, run_local  # noqa: F401 (free_port: for the tests)
+from lightning_async.pipeline.mesh import PipelineMesh
+from lightning_async.pipeline.runtime import PipelineRuntime
+from lightning_async.pipeline.stage import build_rank_stage
+from workload import KWARGS, LRS, lr_lambda
+from workload import SHAPE as SINGLE_DEVICE_SHAPE
 
-SHAPE = dict(vocab_size=257, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, ffn_size=64, max_seq_len=64)
-# fp32 Newton-Schulz: bf16 rounding would turn 1e-7 differences of summation order into 1e-3.
-KWARGS = {"muon": {"ns_dtype": torch.float32}, "normuon": {"ns_dtype": torch.float32}}
-LRS = {"adamw": 3e-3, "muon": 2e-2, "lion": 3e-4, "adan": 3e-3, "normuon": 2e-2, "soap": 3e-3, "mars": 3e-3}
+SHAPE = {**SINGLE_DEVICE_SHAPE, "num_layers": 4}  # four blocks: up to six units to split into stages
 
 
 def make_model(seed: int = 0) -> SmolLM2:
@@ -60,10 +60,6 @@ class Workload:
 
 
 SMOLLM2 = Workload(make_model, make_batches, eval_batch)
-
-
-def lr_lambda(step: int) -> float:
-    return 1.0 / (1.0 + 0.1 * step)  # a changing lr checks that each update uses its own batch's lr
 
 
 def schedule_hyperparameters(optimizer, step: int) -> None:
@@ -139,29 +135,21 @@ def pipeline_run(
     w = workload
     model = w.make_model()
     units = [(f"model.{n}", u) for n, u in model.pipeline_units()]
-    names = partition_units(units, stages, "uniform")
-    stage = rank % stages
-    local = [(n, u) for n, u in units if n in names[stage]]
-    stage_module, tied = build_stage(units, names, stage)
-    named = [(f"{n}.{pn}", p) for n, u in local for pn, p in u.named_parameters()]
-    seen, unique = set(), []
-    for n, p in named:
-        if id(p) not in seen:
-            seen.add(id(p))
-            unique.append((n, p))
-    opt = build_optimizer(optimizer, unique, lr=LRS[optimizer], weight_decay=0.1, **KWARGS.get(optimizer, {}))
+    mesh = PipelineMesh.from_world(dist.get_world_size(), stages)
+    stage = build_rank_stage(units, mesh.stage_of(rank), num_stages=stages)
+    opt = build_optimizer(optimizer, stage.named_parameters, lr=LRS[optimizer], weight_decay=0.1, **KWARGS.get(optimizer, {}))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
     schedule_hyperparameters(opt, 0)
     groups = make_pipeline_groups(rank, dist.get_world_size(), stages)
     runtime = PipelineRuntime(
-        stage_module, opt, schedule, m, w.split_batch, w.loss, groups,
+        stage.module, opt, schedule, m, w.split_batch, w.loss, groups,
         gradient_clip_val=clip, correction=correction_of(ef),
-        tied_parameters=tied, count_tied_in_norm=stage == 0, autocast=contextlib.nullcontext,
+        tied_parameters=stage.tied, count_tied_in_norm=groups.stage == 0, autocast=contextlib.nullcontext,
         context_fn=getattr(model, "pipeline_context", None), activation_checkpointing=activation_checkpointing,
     )
     if prepost is not None:
         runtime.transport.prepost_enabled = prepost
-    replicas, replica = dist.get_world_size() // stages, rank // stages
+    replicas, replica = mesh.data_parallel_size, mesh.replica_of(rank)
     losses = []
     for b, batch in enumerate(w.make_batches(steps)):
         batch = split_rows(batch, replicas)[replica]  # data parallel: each replica its shard
@@ -174,7 +162,7 @@ def pipeline_run(
         losses.append(runtime.collect_loss(b - 1 if schedule == "2bw" else b) if (b > 0 or schedule != "2bw") else None)
     runtime.drain()
     losses.append(runtime.collect_loss(steps - 1) if schedule == "2bw" else None)
-    by_param = {id(p): n for n, p in unique}
+    by_param = {id(p): n for n, p in stage.named_parameters}
     weights = {by_param[id(p)]: p.detach().clone() for p in runtime.params}
     weights["eval_loss"] = runtime.eval_batch(w.eval_batch())
     losses = [None if x is None else float(x) for x in losses]

@@ -19,19 +19,18 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader, Sampler
 
-from lightning_async.callbacks import DelaySimulation, ErrorFeedback, RunTelemetry
+from lightning_async.callbacks import DelayCorrection, DelaySimulation, ErrorFeedback, RunTelemetry
 from lightning_async.lm import CausalLM
 from lightning_async.models.objective import next_token_loss, split_next_token
-from lightning_async.optim import DelayedOptimizer, build_optimizer
+from lightning_async.optim import DelayedOptimizer, build_correction, build_optimizer
+from lightning_async.pipeline.profiles import parameter_delays, unit_delays
 from lightning_async.optim.schedules import warmup_cosine
 from test_delay import reference_delayed
+from workload import LRS, SHAPE, STEPS, WEIGHT_DECAY, make_batches
 
-VOCAB = 257
-OVERRIDES = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_size=64, max_seq_len=64)
-LRS = {"adamw": 3e-3, "muon": 2e-2}
-KWARGS = {"muon": {"ns_dtype": "float32"}}  # fp32 Newton-Schulz for exact comparisons
-WEIGHT_DECAY = 0.1
-STEPS = 20
+VOCAB = SHAPE["vocab_size"]
+OVERRIDES = {k: v for k, v in SHAPE.items() if k != "vocab_size"}
+KWARGS = {"muon": {"ns_dtype": "float32"}}  # fp32 Newton-Schulz for exact comparisons (as the CLI spells it)
 CLIP = 0.5  # below the tiny model's gradient norm (~1), so clipping really acts
 VAL_EVERY = 5  # one batch per epoch, so validation after steps 5, 10, 15, 20
 TOL = 1e-6
@@ -43,25 +42,13 @@ pytestmark = [
     # torch's LRScheduler warns once the wrapper replaces the optimizer it had patched (cosmetic, see docs/delay.md)
     pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden"),
     pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before"),  # FIFO warm-up step
+    pytest.mark.usefixtures("one_thread"),
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # ---- data: one batch per epoch, chosen by the epoch, so a resumed fit sees the same batches -------
-def _batches(n: int, seed: int, batch_size: int = 4, seq_len: int = 16) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (batch_size, seq_len + 1), generator=g) for _ in range(n)]
-
-
-TRAIN = _batches(STEPS, seed=1)
-VAL = _batches(2, seed=2)
+TRAIN = make_batches(STEPS, seed=1)
+VAL = make_batches(2, seed=2)
 
 
 class EpochSampler(Sampler):
@@ -204,6 +191,51 @@ def test_fit_follows_the_delayed_rule(case: dict) -> None:
         assert all(probe.stale_differs)
 
 
+def plain_delayed_loop(optimizer: str, delays: dict[str, int] | None = None, **delayed) -> dict[str, torch.Tensor]:
+    """The same fit as a plain loop around ``DelayedOptimizer`` (same schedule and clipping as the trainer);
+    ``delays``: per-parameter delays by name."""
+    module = make_module(optimizer)
+    named = dict(module.named_parameters())
+    opt = build_optimizer(optimizer, module.named_parameters(), lr=LRS[optimizer], weight_decay=WEIGHT_DECAY,
+                          **KWARGS.get(optimizer, {}))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: warmup_cosine(step, STEPS, 0.1, 0.1))
+    if delays is not None:
+        delayed.update(delay=0, parameter_delays={named[n]: k for n, k in delays.items()})
+    wrapped = DelayedOptimizer(opt, pairing="2bw", **delayed)
+    for batch in TRAIN:
+        inputs, targets = split_next_token(batch)
+        next_token_loss(module(inputs), targets).backward()
+        torch.nn.utils.clip_grad_norm_(module.parameters(), CLIP)
+        wrapped.step()
+        wrapped.zero_grad()
+        sched.step()
+    newest = {id(p): w for p, w in zip(wrapped.params, wrapped.newest_weights())}
+    return {n: newest[id(p)].detach().clone() for n, p in module.named_parameters()}
+
+
+@pytest.mark.parametrize("method", ["nesterov", "dc-asgd", "weight-prediction"])
+def test_delay_correction_callback_applies_the_correction(method: str) -> None:
+    """The callback hands the correction to the wrapper (its rule: tests/test_corrections.py)."""
+    module = make_module("adamw")
+    make_trainer([DelayCorrection(method), DelaySimulation(1)]).fit(module, train_loader())
+    expected = plain_delayed_loop("adamw", delay=1, correction=build_correction(method))
+    assert max_diff(weights(module), expected) <= TOL
+    assert max_diff(weights(module), plain_delayed_loop("adamw", delay=1)) > 1e-6  # it is not the plain delay
+
+
+def test_pipedream_profile_reaches_the_wrapper() -> None:
+    module = make_module("muon")
+    make_trainer([DelaySimulation(profile="pipedream", stages=4)]).fit(module, train_loader())
+    reference_module = make_module("muon")
+    units = [(n, u) for n, u in reference_module.pipeline_units()]
+    by_name = {id(p): n for n, p in reference_module.named_parameters()}
+    by_unit = unit_delays(units, "pipedream", 4, delay=1)
+    delays = {by_name[id(p)]: k for p, k in parameter_delays(units, by_unit).items()}
+    assert sorted(set(delays.values())) == [0, 1, 2, 3]
+    expected = plain_delayed_loop("muon", delays)
+    assert max_diff(weights(module), expected) <= TOL
+
+
 def test_sync_fit_is_the_plain_loop_and_differs_from_delayed() -> None:
     expected = reference("adamw", 0, 0.0)
     module = make_module("adamw")
@@ -287,13 +319,19 @@ def test_error_feedback_rejects_negative_strength() -> None:
 
 
 # ---- telemetry -----------------------------------------------------------------------------------
+from lightning_async.callbacks import DelayCorrection  # noqa: E402
+from lightning_async.identity import IDENTITY_KEYS, RunIdentity  # noqa: E402
+
+
 @pytest.mark.parametrize(
     "callbacks,identity",
     [
         (lambda: [DelaySimulation(1), ErrorFeedback(1.0)], dict(mode="delayed", ef_strength=1.0, delay=1)),
         (lambda: [DelaySimulation(0), ErrorFeedback(0.0)], dict(mode="sync", ef_strength=0.0, delay=0)),
+        (lambda: [DelaySimulation(1), DelayCorrection("nesterov", 0.5)],
+         dict(mode="delayed", ef_strength=0.0, correction="nesterov", correction_strength=0.5, delay=1)),
     ],
-    ids=["delayed-ef", "sync"],
+    ids=["delayed-ef", "sync", "delayed-nesterov"],
 )
 def test_run_telemetry_logs_identity_and_done(callbacks, identity: dict, tmp_path) -> None:
     logger = TensorBoardLogger(tmp_path, name="run")
@@ -308,4 +346,22 @@ def test_run_telemetry_logs_identity_and_done(callbacks, identity: dict, tmp_pat
     for key, value in {"optimizer": "adamw", **identity}.items():
         assert done[key] == value, key
         assert hparams[key] == value, key
+    assert set(IDENTITY_KEYS) <= set(hparams)
+    assert RunIdentity.from_mapping(hparams).as_record() == {k: done[k] for k in IDENTITY_KEYS}  # one schema
     assert "lr/adamw" in trainer.logged_metrics and "train/grad_norm" in trainer.logged_metrics
+
+
+def test_run_identity_of_the_pipeline_strategy_error_feedback() -> None:
+    """AsyncPipelineStrategy(error_feedback=1.0) applies EF: recorded as the ef correction under the one schema."""
+    from lightning_async.callbacks import run_identity
+    from lightning_async.strategies import AsyncPipelineStrategy
+
+    model = CausalLM(vocab_size=VOCAB, model_overrides=OVERRIDES)
+    for strategy, correction, strength in ((AsyncPipelineStrategy(error_feedback=1.0), "ef", 1.0),
+                                           (AsyncPipelineStrategy(), "none", 0.0)):
+        trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
+        record = run_identity(trainer, model)
+        assert (record["mode"], record["correction"], record["correction_strength"]) == (
+            "async_pipe", correction, strength)
+        assert record["ef_strength"] == strength and tuple(record) == IDENTITY_KEYS
+        assert RunIdentity.from_mapping(record).category == ("async+EF" if strength else "async")

@@ -17,6 +17,7 @@ from test_strategy import SHAPE, TinyData
 
 from lightning_async.lm import CausalLM
 from lightning_async.pipeline import checkpoint as ckpt
+from lightning_async.strategies.checkpoints import PipelineAwareCheckpointIO
 from lightning_async.strategies import AsyncPipelineStrategy
 
 
@@ -95,7 +96,7 @@ def test_a_single_device_run_refuses_a_pipeline_checkpoint_clearly(tmp_path):
     _write(path, 4)
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, plugins=[ckpt.PipelineAwareCheckpointIO()],
+        enable_model_summary=False, plugins=[PipelineAwareCheckpointIO()],
     )
     with pytest.raises(ValueError, match="is a pipeline checkpoint .*strategy=async_pipe.*python -m lightning_async.pipeline.checkpoint"):
         trainer.fit(CausalLM(vocab_size=257, model_overrides=SHAPE), datamodule=TinyData(), ckpt_path=path)

@@ -88,10 +88,33 @@ def test_bad_input_stops_with_a_clear_message(tmp_path, args, message):
     assert message in proc.stderr + proc.stdout
 
 
-def test_simulate_without_arguments_prints_a_nominal_plan_of_the_135m_shape(capsys):
-    from lightning_async.simulate import simulate_main
+def test_tools_run_from_any_directory(tmp_path):
+    """study, probe, plan (and its old name), recipes, compare and export by their module paths in TOOLS."""
+    script = "\n".join([
+        "import sys",
+        "from lightning_async.cli import main",
+        "for args in (['study', '--config', 'quickstart', '--dry-run'], ['probe', '--config', 'quickstart', '--dry-run'],",
+        "             ['plan', '--forward-ms', '10', '--stages', '2'], ['simulate', '--forward-ms', '10', '--stages', '2'],",
+        "             ['recipes'], ['compare', 'nothing-here'], ['export', '--help']):",
+        "    try:",
+        "        rc = main(args)",
+        "    except SystemExit as exit_:",
+        "        rc = exit_.code",
+        "    print('RC', args[0], rc, flush=True)",
+    ])
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    codes = dict(line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("RC "))
+    assert codes == {"study": "0", "probe": "0", "plan": "0", "simulate": "0", "recipes": "0", "compare": "2",
+                     "export": "0"}, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "study quickstart: 21 runs -> studies/quickstart" in proc.stdout and "not found" not in proc.stdout
+    assert "`simulate` is now `plan`" in proc.stderr and not (tmp_path / "studies").exists()
 
-    assert simulate_main([]) == 0
+
+def test_plan_without_arguments_prints_a_nominal_plan_of_the_135m_shape(capsys):
+    from lightning_async.tools.plan import plan_main
+
+    assert plan_main([]) == 0
     out = capsys.readouterr().out
     assert "nominal costs, nothing measured: smollm2-135m, seq 2048 x micro-batch 1, bfloat16, FLOP counts at 100 TFLOP/s" in out
     rows = [line.split("|")[1:3] for line in out.splitlines() if line.startswith("| ") and "+2BW" not in line]
@@ -101,7 +124,8 @@ def test_simulate_without_arguments_prints_a_nominal_plan_of_the_135m_shape(caps
 
 def test_nominal_costs_count_flops_and_parameters_exactly():
     from lightning_async.lm import CausalLM
-    from lightning_async.simulate import measure_model, nominal_model
+    from lightning_async.pipeline.measure import measure_model
+    from lightning_async.tools.stage_costs import nominal_model
 
     nominal = nominal_model("tiny", 64, micro_batch_size=2, dtype="float32", tflops=1.0)
     model = CausalLM("tiny", vocab_size=257)

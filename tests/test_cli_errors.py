@@ -202,7 +202,7 @@ def test_fit_prints_no_warning_about_the_args_parameter(tmp_path, small_data, mo
     assert not [w for w in caught if "args parameter" in str(w.message)]
 
 
-# ---- probe and simulate ----------------------------------------------------------------------------------------
+# ---- probe and plan ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "args, where",
     [(["--config", PIPELINE], f"recipe {PIPELINE}"),
@@ -210,7 +210,7 @@ def test_fit_prints_no_warning_about_the_args_parameter(tmp_path, small_data, mo
     ids=["recipe", "set"],
 )
 def test_probe_refuses_a_pipeline_recipe(tmp_path, capsys, args, where):
-    from lightning_async.probe import probe_main
+    from lightning_async.tools.probe import probe_main
 
     rc = probe_main(["--config", QUICKSTART, *args, "--dry-run", "--output", str(tmp_path)])
     err = capsys.readouterr().err
@@ -220,7 +220,7 @@ def test_probe_refuses_a_pipeline_recipe(tmp_path, capsys, args, where):
 
 
 def test_probe_accepts_a_pipeline_recipe_switched_back_to_one_device(tmp_path, capsys):
-    from lightning_async.probe import probe_main
+    from lightning_async.tools.probe import probe_main
 
     rc = probe_main(["--config", QUICKSTART, "--config", PIPELINE, "--set", "trainer.strategy=auto",
                      "--set", "trainer.devices=1", "--dry-run", "--output", str(tmp_path)])
@@ -241,24 +241,33 @@ def test_probe_accepts_a_pipeline_recipe_switched_back_to_one_device(tmp_path, c
         (["--forward-ms", "10", "--model", "tiny"], "give either --forward-ms"),
     ],
 )
-def test_simulate_refuses_impossible_costs(capsys, args, message):
-    from lightning_async.simulate import simulate_main
+def test_plan_refuses_impossible_costs(capsys, args, message):
+    from lightning_async.tools.plan import plan_main
 
-    assert simulate_main(args) == 2
+    assert plan_main(args) == 2
     captured = capsys.readouterr()
     assert f"error: {message}" in captured.err
     assert "bubble" not in captured.out  # no table with negative bubbles
 
 
-def test_simulate_json_into_a_missing_directory_creates_it(tmp_path, capsys):
-    from lightning_async.simulate import simulate_main
+def test_plan_json_into_a_missing_directory_creates_it(tmp_path, capsys):
+    from lightning_async.tools.plan import plan_main
 
     target = tmp_path / "plans" / "new" / "plan.json"
-    assert simulate_main(["--forward-ms", "10", "--stages", "2", "--json", str(target)]) == 0
+    assert plan_main(["--forward-ms", "10", "--stages", "2", "--json", str(target)]) == 0
     assert [(r["p"], r["m"]) for r in json.loads(target.read_text())["rows"]] == [(2, 2), (2, 4), (2, 8)]
     (tmp_path / "taken").write_text("")
-    assert simulate_main(["--forward-ms", "10", "--json", str(tmp_path / "taken" / "plan.json")]) == 2
+    assert plan_main(["--forward-ms", "10", "--json", str(tmp_path / "taken" / "plan.json")]) == 2
     assert "cannot create its directory" in capsys.readouterr().err
+
+
+def test_simulate_is_the_old_name_of_plan(capsys):
+    assert main(["plan", "--forward-ms", "10", "--stages", "2"]) == 0
+    planned = capsys.readouterr()
+    assert main(["simulate", "--forward-ms", "10", "--stages", "2"]) == 0
+    aliased = capsys.readouterr()
+    assert planned.err == "" and aliased.err.splitlines() == ["`simulate` is now `plan`"]
+    assert aliased.out == planned.out and "2BW gain" in planned.out
 
 
 # ---- wired in from the fault work (issue 12) -------------------------------------------------------

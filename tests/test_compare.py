@@ -20,7 +20,7 @@ from lightning_async.compare import (
     load_run,
     load_runs,
 )
-from lightning_async.compare.report import HEADERS, PAPER_REFERENCE, fmt_recovered, table_cells
+from lightning_async.compare.report import HEADERS, PAPER_REFERENCE, fmt_recovered, table_cells, table_headers
 from lightning_async.compare.synthetic import write_fake_run
 
 # final val losses: optimizer -> seed -> (sync, async, async+EF)
@@ -366,3 +366,143 @@ def test_runs_of_equal_length_give_no_length_warning(tmp_path):
     result = compare([runs_dir])
     assert all(row.step == 100 for row in result.rows)
     assert not any("different steps" in w for w in result.warnings)
+
+
+# ---- corrections other than EF ----------------------------------------------------------------
+def write_corrections_study(root: Path, finals: dict[str, dict[int, float]], optimizer: str = "adamw") -> Path:
+    """Runs of one optimizer: category -> seed -> final val loss (``sync``, ``async``, ``ef``, ``nesterov``...)."""
+    for name, by_seed in finals.items():
+        for seed, final in by_seed.items():
+            kwargs = {"sync": dict(mode="sync"), "async": dict(mode="delayed")}.get(
+                name, dict(mode="delayed", correction=name, correction_strength=1.0))
+            write_fake_run(root / f"{optimizer}-{name}-s{seed}", optimizer=optimizer, seed=seed,
+                           val_loss={10: final + 1.0, 20: final}, **kwargs)
+    return root
+
+
+def test_old_hparams_without_the_new_keys_are_read(tmp_path):
+    """A run directory written before corrections existed: no correction, correction_strength, delay_profile."""
+    run = write_fake_run(tmp_path / "old-ef", hparams_yaml=False)
+    (run / "hparams.yaml").write_text(yaml.safe_dump({"optimizer": "adamw", "mode": "delayed", "ef_strength": 0.5,
+                                                      "delay": 1, "seed": 2, "lr": 0.001}))
+    ident = load_run(run).identity
+    assert (ident.correction, ident.correction_strength, ident.delay_profile) == ("ef", 0.5, "uniform")
+    assert ident.category == ASYNC_EF
+    bad = write_fake_run(tmp_path / "typo", hparams_yaml=False)
+    (bad / "hparams.yaml").write_text(yaml.safe_dump({"optimizer": "adamw", "mode": "delayed", "correction": "nag"}))
+    with pytest.raises(CompareError, match=r"typo: unknown correction 'nag'; expected one of none, ef"):
+        load_run(bad)
+
+
+def test_write_fake_run_records_the_correction(tmp_path):
+    run = write_fake_run(tmp_path / "r", mode="async_pipe", correction="dc-asgd", correction_strength=0.5,
+                         delay_profile="pipedream-4")
+    record = yaml.safe_load((run / "hparams.yaml").read_text())
+    assert (record["correction"], record["correction_strength"], record["ef_strength"]) == ("dc-asgd", 0.5, 0.0)
+    assert record["delay_profile"] == "pipedream-4" and load_run(run).category == "async+dc-asgd"
+    old_style = yaml.safe_load((write_fake_run(tmp_path / "e", mode="delayed", ef_strength=1.0) / "hparams.yaml")
+                               .read_text())
+    assert (old_style["correction"], old_style["correction_strength"]) == ("ef", 1.0)
+
+
+def test_runs_differing_only_in_correction_fill_different_slots(tmp_path):
+    """Before: compare ignored the correction, so a nesterov run was filed as plain async (and, next to the async
+    run of its seed, refused as a duplicate)."""
+    from lightning_async.compare.selection import slot
+
+    root = write_corrections_study(tmp_path, {"sync": {0: 2.0}, "async": {0: 2.4}, "nesterov": {0: 2.1},
+                                              "dc-asgd": {0: 2.3}})
+    runs = load_runs([root])
+    assert len({slot(r) for r in runs}) == 4
+    (row,) = compare([root]).rows
+    assert [r.name for r in row.runs["async+nesterov"]] == ["adamw-nesterov-s0"]
+    assert [r.name for r in row.runs[ASYNC]] == ["adamw-async-s0"]
+    # the same correction at two strengths, or under two delay profiles: never one slot either
+    write_fake_run(tmp_path / "adamw-nesterov-half", mode="delayed", correction="nesterov", correction_strength=0.5,
+                   val_loss={20: 2.2})
+    write_fake_run(tmp_path / "adamw-async-pd", mode="delayed", delay_profile="pipedream-4", val_loss={20: 2.5})
+    result = compare([tmp_path])
+    assert len(result.runs) == 6
+    assert sorted(r.label for r in result.rows) == [
+        "adamw profile=pipedream-4 nesterov=0.5", "adamw profile=pipedream-4 nesterov=1",
+        "adamw profile=uniform nesterov=0.5", "adamw profile=uniform nesterov=1"]
+    by_label = {r.label: r for r in result.rows}
+    assert by_label["adamw profile=uniform nesterov=0.5"].recovered_by("nesterov") == pytest.approx(0.5, abs=1e-5)
+    assert by_label["adamw profile=pipedream-4 nesterov=1"].gap == pytest.approx(0.5, abs=1e-5)
+    # two finished runs of one correction, strength and seed are still refused, and the message names it
+    write_fake_run(tmp_path / "again" / "adamw-nesterov-s0", mode="delayed", correction="nesterov", val_loss={20: 2.0})
+    with pytest.raises(CompareError, match=r"adamw async\+nesterov \(lr 0.001, seed 0, delay 1, nesterov 1\)"):
+        compare([root, tmp_path / "again"])
+
+
+def test_recovered_share_of_each_correction(tmp_path):
+    """sync 2.0, async 2.4: nesterov 2.1 recovers 75%, EF 2.2 50%, dc-asgd 2.5 -25% (it hurts)."""
+    root = write_corrections_study(tmp_path, {"sync": {0: 2.0}, "async": {0: 2.4}, "ef": {0: 2.2},
+                                              "nesterov": {0: 2.1}, "dc-asgd": {0: 2.5}})
+    (row,) = compare([root]).rows
+    assert row.corrections == ("ef", "nesterov", "dc-asgd")
+    assert row.recovered_by("nesterov") == pytest.approx(0.75, abs=1e-5)
+    assert row.recovered_by("ef") == pytest.approx(0.5, abs=1e-5) == pytest.approx(row.recovered, abs=1e-9)
+    assert row.recovered_by("dc-asgd") == pytest.approx(-0.25, abs=1e-5)
+    assert row.recovered_by("weight-prediction") is None
+    cells = dict(zip(table_headers(row.corrections), table_cells([row])[0]))
+    assert (cells["EF recovered"], cells["nesterov recovered"], cells["dc-asgd recovered"]) == ("50%", "75%", "-25%")
+    assert cells["async+nesterov"] == "2.100" and cells["async+EF"] == "2.200"
+
+
+def test_recovered_share_spread_over_two_seeds(tmp_path):
+    finals = {"sync": {0: 2.0, 1: 2.1}, "async": {0: 2.4, 1: 2.5}, "nesterov": {0: 2.1, 1: 2.25}}
+    (row,) = compare([write_corrections_study(tmp_path, finals)]).rows
+    per_seed = [(2.4 - 2.1) / 0.4, (2.5 - 2.25) / 0.4]  # 75%, 62.5%
+    shares = row.recovered_seeds_by("nesterov")
+    assert shares.n == 2 and shares.mean == pytest.approx(statistics.fmean(per_seed), abs=1e-5)
+    assert shares.std == pytest.approx(statistics.stdev(per_seed), abs=1e-5)
+    assert row.recovered_by("nesterov") == pytest.approx((2.45 - 2.175) / 0.4, abs=1e-5)  # on the means: 69%
+    assert fmt_recovered(row, "nesterov") == "69% ± 9% [62..75%] (n=2)"
+    assert fmt_recovered(row) == "n/a"  # no EF runs: the EF column stays, as n/a
+
+
+def test_best_correction_per_optimizer(tmp_path):
+    """The correction whose column shows the highest share: nesterov for adamw, EF for muon."""
+    from lightning_async.compare import best_corrections
+
+    write_corrections_study(tmp_path, {"sync": {0: 2.0, 1: 2.0}, "async": {0: 2.4, 1: 2.4},
+                                       "ef": {0: 2.2, 1: 2.3}, "nesterov": {0: 2.1, 1: 2.0}})
+    write_corrections_study(tmp_path, {"sync": {0: 2.5}, "async": {0: 2.6}, "ef": {0: 2.52}, "dc-asgd": {0: 2.55}},
+                            optimizer="muon")
+    write_corrections_study(tmp_path, {"sync": {0: 2.5}, "async": {0: 2.6}}, optimizer="lion")
+    best = best_corrections(compare([tmp_path]).rows)
+    assert set(best) == {"adamw", "muon"}  # lion ran no correction
+    adamw = best["adamw"]
+    assert (adamw.correction, adamw.n, adamw.row) == ("nesterov", 2, "adamw")
+    assert adamw.mean == pytest.approx((2.4 - 2.05) / 0.4, abs=1e-5)  # 87.5%, as the nesterov column shows it
+    assert adamw.std == pytest.approx(statistics.stdev([0.75, 1.0]), abs=1e-5)
+    muon = best["muon"]
+    assert (muon.correction, muon.n, muon.std) == ("ef", 1, None) and muon.mean == pytest.approx(0.8, abs=1e-4)
+
+
+def test_report_plots_and_layout_show_the_corrections(tmp_path, capsys):
+    root = write_corrections_study(tmp_path / "runs", {"sync": {0: 2.0, 1: 2.02}, "async": {0: 2.4, 1: 2.42},
+                                                       "ef": {0: 2.2, 1: 2.21}, "nesterov": {0: 2.1, 1: 2.12},
+                                                       "weight-prediction": {0: 2.3, 1: 2.31}})
+    out = tmp_path / "report"
+    assert compare_main([str(root), "--output", str(out), "--paper"]) == 0
+    printed = capsys.readouterr().out
+    assert "async+nesterov" in printed and "weight-prediction recovered" in printed and "EF recovered" in printed
+    report = (out / "report.md").read_text()
+    assert report.startswith("# Sync vs async vs async+EF vs async+nesterov vs async+weight-prediction")
+    header = ("| run group | step | sync | async | async+EF | async+nesterov | async+weight-prediction | "
+              "gap (async-sync) | EF recovered | nesterov recovered | weight-prediction recovered |")
+    assert report.count(header) == 2  # the adamw block (with the paper's adamw line) and the paper block
+    paper = "| adamw (paper, 360M) | end | 2.612 | 2.890 | 2.640 | n/a | n/a | +0.278 (+10.6%) | 90% | n/a | n/a |"
+    assert paper in report
+    assert "nesterov recovered" in report and "| nesterov 1 |" in report  # the run list's correction column
+    png = (out / "val_loss_adamw.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    from lightning_async.compare.events import read_scalars
+    from lightning_async.compare.layout import read_layout
+
+    chart = read_layout(out / "tensorboard").category[0].chart[0]
+    assert chart.title == "adamw: val/loss, sync vs async vs async+EF vs async+nesterov vs async+weight-prediction"
+    overlay = read_scalars(out / "tensorboard")
+    assert overlay["adamw/val_loss/async+nesterov/adamw-nesterov-s1"][-1] == (20, pytest.approx(2.12))

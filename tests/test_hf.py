@@ -21,7 +21,7 @@ from lightning_async.models.hf import DecoderLayerUnit, HFCausalLM  # noqa: E402
 from lightning_async.optim import build_optimizer  # noqa: E402
 from lightning_async.optim.schedules import warmup_cosine  # noqa: E402
 from lightning_async.pipeline.partition import partition_units  # noqa: E402
-from lightning_async.pipeline.runtime import build_stage  # noqa: E402
+from lightning_async.pipeline.stage import build_stage  # noqa: E402
 from test_callbacks import (  # noqa: E402
     CLIP, KWARGS, LRS, STEPS, TRAIN, VOCAB, WEIGHT_DECAY, _one_thread, make_trainer, max_diff, train_loader, weights,  # noqa: F401
 )

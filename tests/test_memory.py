@@ -14,8 +14,9 @@ import torch
 from lightning_async.models.objective import next_token_loss, split_next_token
 from lightning_async.optim import build_optimizer
 from lightning_async.optim import ErrorFeedback
-from lightning_async.pipeline.runtime import PipelineRuntime, StageModule
-from lightning_async.pipeline.simulator import memory_model
+from lightning_async.pipeline.runtime import PipelineRuntime
+from lightning_async.pipeline.stage import StageModule
+from lightning_async.pipeline.timing import memory_model
 
 from _pipeline_harness import SHAPE, make_batches, make_model
 
@@ -81,7 +82,7 @@ def test_report_before_training_has_no_optimizer_or_ef_state():
 
 
 def test_report_agrees_with_simulator_memory_model():
-    """The measured weight and EF terms are the ones ``simulator.memory_model`` adds for 2BW and for EF."""
+    """The measured weight and EF terms are the ones ``timing.memory_model`` adds for 2BW and for EF."""
     sync, twobw, ef = (train(make_runtime(s, e)) for s, e in (("1f1b", None), ("2bw", None), ("2bw", 1.0)))
     (model,) = memory_model(sync["parameters"], sync["optimizer_state"], 0, inflight_sync=[0])
     assert model.twobw - model.sync == twobw["weight_versions"] - sync["weight_versions"]

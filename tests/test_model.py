@@ -94,7 +94,8 @@ def test_causal_lm_learns_a_repeating_sequence():
 
 def test_rope_tables_are_computed_once_per_forward_and_once_per_stage_and_microbatch(monkeypatch):
     from lightning_async.models import smollm2
-    from lightning_async.pipeline.runtime import PipelineRuntime, StageModule
+    from lightning_async.pipeline.runtime import PipelineRuntime
+    from lightning_async.pipeline.stage import StageModule
 
     calls = []
     original = smollm2.rotary_tables

@@ -23,7 +23,8 @@ from lightning_async.optim import ErrorFeedback
 from lightning_async.pipeline.boundary import flatten, takes_context, unflatten
 from lightning_async.pipeline.groups import make_pipeline_groups
 from lightning_async.pipeline.p2p import BoundaryChanged, PeerFailure
-from lightning_async.pipeline.runtime import PipelineRuntime, StageModule, build_stage
+from lightning_async.pipeline.runtime import PipelineRuntime
+from lightning_async.pipeline.stage import StageModule, build_stage
 
 VOCAB, HIDDEN, LAYERS, BATCH, SEQ = 61, 16, 4, 12, 12  # BATCH and BATCH // 2 divisible by 2 and 3 stages
 

@@ -56,7 +56,7 @@ def test_bad_partitions_name_the_fix(stages, method, message):
 def test_tied_weights_pair_up_in_one_order_and_only_between_first_and_last_stage():
     from torch import nn
 
-    from lightning_async.pipeline.runtime import build_stage
+    from lightning_async.pipeline.stage import build_stage
 
     a, b = nn.Linear(2, 2), nn.Linear(3, 3)
     first = nn.ModuleDict({"x": a, "y": b})

@@ -21,7 +21,7 @@ from lightning_async.recipes_index import (
     resolve_config,
     resolve_config_args,
 )
-from lightning_async.study import StudyError, build_parser, load_study, study_from_args
+from lightning_async.tools.study import StudyError, build_parser, load_study, study_from_args
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "recipes"

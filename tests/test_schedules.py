@@ -21,7 +21,7 @@ from lightning_async.pipeline.schedules import (
     validate,
     warmup_forwards,
 )
-from lightning_async.pipeline.simulator import DeadlockError, simulate_lists
+from lightning_async.pipeline.timing import DeadlockError, simulate_lists
 
 
 def _configs(seed: int, count: int) -> list[tuple[int, int, int]]:

@@ -13,15 +13,19 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from _pipeline_harness import SHAPE as HARNESS_SHAPE
 from _pipeline_harness import free_port, spawn
 from lightning_async.callbacks import DelaySimulation, ErrorFeedback
 from lightning_async.lm import CausalLM
 from lightning_async.pipeline.partition import partition_units
 from lightning_async.data.sampler import ResumableDataLoader, ResumableShuffleSampler, trainer_position
-from lightning_async.strategies import AsyncPipelineStrategy
-from lightning_async.strategies.async_pipe import check_pipeline_contract
+from lightning_async.strategies import AsyncPipelineStrategy, compat
+from lightning_async.optim import build_correction
+from lightning_async.pipeline.contract import check_pipeline_contract
+from lightning_async.pipeline.runtime import PipelineRuntime
+from lightning_async.pipeline.stage import StageModule
 
-SHAPE = dict(hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, ffn_size=64, max_seq_len=64)
+SHAPE = {k: v for k, v in HARNESS_SHAPE.items() if k != "vocab_size"}  # (the module takes its vocabulary from the data)
 STEPS = 8
 
 
@@ -232,9 +236,15 @@ def test_module_without_pipeline_contract():
         check_pipeline_contract(nn.Linear(2, 2))
 
 
-def test_error_feedback_with_sync_schedule():
-    with pytest.raises(ValueError, match="needs the delayed schedule"):
+def test_corrections_need_the_delayed_schedule():
+    """One check, one message, wherever a correction meets a synchronous schedule."""
+    message = r"corrects the one-step delay of schedule '2bw', but schedule '1f1b' is synchronous.*async_pipe"
+    with pytest.raises(ValueError, match="error_feedback " + message):
         AsyncPipelineStrategy(schedule="1f1b", error_feedback=1.0)
+    stage = StageModule([("linear", nn.Linear(2, 2))])
+    with pytest.raises(ValueError, match="The 'nesterov' correction " + message):
+        PipelineRuntime(stage, torch.optim.SGD(stage.parameters(), lr=0.1), "1f1b", 1, lambda b: b, lambda y, t: y,
+                        correction=build_correction("nesterov"))
 
 
 def test_any_module_meeting_the_contract_trains(pipeline_fits):
@@ -316,7 +326,7 @@ def test_a_failing_launcher_process_ends_the_ranks_it_started():
 
     strategy = AsyncPipelineStrategy()
     L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
-    assert type(strategy.launcher).__name__ == "_PipelineScriptLauncher"
+    assert isinstance(strategy.launcher, compat.PipelineScriptLauncher)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     strategy.launcher.procs = [child]
     strategy.on_exception(RuntimeError("start-up error"))

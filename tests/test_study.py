@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -18,16 +19,19 @@ import yaml
 
 from lightning_async.compare import ASYNC, ASYNC_EF, SYNC, Row, load_runs
 from lightning_async.compare.synthetic import write_fake_run
-from lightning_async.probe import probe_main, verdict
-from lightning_async.study import (
-    KNOWN_OPTIMIZERS,
+from lightning_async.optim import OPTIMIZER_NAMES
+from lightning_async.tools.probe import probe_main, verdict
+from lightning_async.tools.study import (
     MODES,
     RunSpec,
     StudyError,
     load_study,
     pid_alive,
+    run_env,
+    run_study,
     study_from_dict,
     study_main,
+    subprocess_runner,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -118,7 +122,7 @@ def test_rejects_unknown_optimizer_mode_and_keys(tmp_path, capsys):
     runner = FakeRunner()
     assert study_main(["--config", str(write_study(tmp_path, optimizers=["adamw", "sgdx"]))], runner=runner) == 2
     err = capsys.readouterr().err
-    assert "unknown optimizer(s) sgdx" in err and all(o in err for o in KNOWN_OPTIMIZERS)
+    assert "unknown optimizer(s) sgdx" in err and all(o in err for o in OPTIMIZER_NAMES)
     assert study_main(["--config", str(write_study(tmp_path, modes=["sync", "fast"]))], runner=runner) == 2
     err = capsys.readouterr().err
     assert "unknown mode(s) fast" in err and all(m in err for m in MODES)
@@ -207,7 +211,7 @@ def test_shipped_studies_parse(name, monkeypatch):
     specs = study.expand()
     assert specs and all(s.command[s.command.index("fit") - 1] for s in specs)
     if name == "quickstart":
-        assert sorted(study.optimizers) == sorted(KNOWN_OPTIMIZERS) and len(specs) == 21
+        assert sorted(study.optimizers) == sorted(OPTIMIZER_NAMES) and len(specs) == 21
         assert study.output == Path("studies/quickstart")
 
 
@@ -280,15 +284,17 @@ def test_run_lock_refuses_a_live_run_and_takes_over_a_stale_one(tmp_path, capsys
     assert not lock.exists()  # released when the run ended
 
 
-# A stand-in for `lightning-async fit` that trains forever: writes into its run dir, records its pid and the
-# study's lock, and on SIGTERM either shuts down gracefully in 0.5 s (FAKE_FIT=polite) or ignores it (stubborn).
+# A stand-in for `lightning-async fit` that trains forever: writes into its run dir, records (in a state folder
+# of its run) its pid, its OMP_NUM_THREADS and the study's lock, and on SIGTERM either shuts down gracefully in
+# 0.5 s (FAKE_FIT=polite) or ignores it (stubborn).
 FAKE_FIT = r"""
 import json, os, signal, sys, time
 from pathlib import Path
 args = sys.argv[1:]
 runs = Path(args[args.index("--trainer.logger.init_args.save_dir") + 1]) / "runs"
 name = args[args.index("--trainer.logger.init_args.version") + 1]
-state = Path(os.environ["FAKE_FIT_STATE"])
+state = Path(os.environ["FAKE_FIT_STATE"]) / name
+state.mkdir(parents=True, exist_ok=True)
 def on_term(signum, frame):
     (state / "got-sigterm").write_text("")
     if os.environ["FAKE_FIT"] == "stubborn":
@@ -304,6 +310,7 @@ deadline = time.time() + 5
 while time.time() < deadline and not (lock.exists() and "child_pid" in lock.read_text()):
     time.sleep(0.02)
 (state / "lock").write_text(lock.read_text() if lock.exists() else "{}")
+(state / "omp").write_text(os.environ.get("OMP_NUM_THREADS", "unset"))
 (state / "pid").write_text(str(os.getpid()))
 while True:
     time.sleep(0.05)
@@ -317,11 +324,12 @@ package_dir, config, grace = sys.argv[1], sys.argv[2], float(sys.argv[3])
 package = types.ModuleType("lightning_async")
 package.__path__ = [package_dir]
 sys.modules["lightning_async"] = package
-import lightning_async.study as study
-study.valid_optimizers = lambda recipes_dir=None: ["adamw"]
-study.STOP_GRACE_S = grace
-sys.exit(study.study_main(["--config", config, "--no-compare"]))
+from lightning_async.tools.study import cli, parsing, runner
+parsing.valid_optimizers = lambda recipes_dir=None: ["adamw"]
+runner.STOP_GRACE_S = grace
+sys.exit(cli.study_main(["--config", config, "--no-compare", *sys.argv[4:]]))
 """
+RUN = "adamw-sync-s0"
 
 
 def _wait_for(path: Path, timeout: float = 15.0) -> str:
@@ -333,18 +341,20 @@ def _wait_for(path: Path, timeout: float = 15.0) -> str:
     return path.read_text()
 
 
-def _start_study(tmp_path: Path, behaviour: str, grace: float) -> tuple[subprocess.Popen, Path]:
-    import lightning_async.study
+def _start_study(tmp_path: Path, behaviour: str, grace: float, modes=("sync",), args=(),
+                 env_without=()) -> tuple[subprocess.Popen, Path]:
+    import lightning_async
 
     (tmp_path / "fake_fit.py").write_text(FAKE_FIT)
     (tmp_path / "driver.py").write_text(DRIVER)
     state = tmp_path / "state"
     state.mkdir()
-    path = write_study(tmp_path, optimizers=["adamw"], modes=["sync"], seeds=[0],
+    path = write_study(tmp_path, optimizers=["adamw"], modes=list(modes), seeds=[0],
                        launcher=[sys.executable, str(tmp_path / "fake_fit.py")])
-    env = dict(os.environ, FAKE_FIT=behaviour, FAKE_FIT_STATE=str(state))
-    package_dir = str(Path(lightning_async.study.__file__).parent)
-    study = subprocess.Popen([sys.executable, str(tmp_path / "driver.py"), package_dir, str(path), str(grace)],
+    env = {k: v for k, v in os.environ.items() if k not in env_without}
+    env.update(FAKE_FIT=behaviour, FAKE_FIT_STATE=str(state))
+    package_dir = str(Path(lightning_async.__file__).parent)
+    study = subprocess.Popen([sys.executable, str(tmp_path / "driver.py"), package_dir, str(path), str(grace), *args],
                              env=env, cwd=tmp_path,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return study, state
@@ -356,20 +366,20 @@ def test_sigterm_stops_the_run_and_waits_for_it(tmp_path, behaviour):
     study, state = _start_study(tmp_path, behaviour, grace=1.0)
     child = None
     try:
-        child = int(_wait_for(state / "pid"))
+        child = int(_wait_for(state / RUN / "pid"))
         t0 = time.monotonic()
         study.send_signal(signal.SIGTERM)
         rc = study.wait(timeout=20)
         output = study.stdout.read()
         assert rc == 128 + signal.SIGTERM, output
-        assert (state / "got-sigterm").exists()  # passed on to the run
+        assert (state / RUN / "got-sigterm").exists()  # passed on to the run
         assert not pid_alive(child)  # and waited for: nothing outlives the study
         if behaviour == "polite":
-            assert (state / "stopped").exists()  # its graceful shutdown (0.5 s) was not cut short
+            assert (state / RUN / "stopped").exists()  # its graceful shutdown (0.5 s) was not cut short
         else:
             assert time.monotonic() - t0 >= 1.0 and "did not stop within 1s of SIGTERM; killing it" in output
-        assert "interrupted (SIGTERM) during adamw-sync-s0" in output
-        lock = json.loads((state / "lock").read_text())  # what the run saw while it trained
+        assert "interrupted (SIGTERM) during adamw-sync-s0; the run was stopped" in output
+        lock = json.loads((state / RUN / "lock").read_text())  # what the run saw while it trained
         assert lock["pid"] == study.pid and lock["child_pid"] == child  # a later study can see both
         assert not (tmp_path / "out" / "runs" / "adamw-sync-s0.lock").exists()  # released
     finally:
@@ -378,12 +388,44 @@ def test_sigterm_stops_the_run_and_waits_for_it(tmp_path, behaviour):
             os.kill(child, signal.SIGKILL)
 
 
+@pytest.mark.parametrize("behaviour", ["polite", "stubborn"])
+def test_sigterm_with_jobs_stops_every_running_run(tmp_path, behaviour):
+    """With --jobs 2 both runs train at once, each with half the cores; SIGTERM reaches and waits for both."""
+    runs = ["adamw-sync-s0", "adamw-delayed-s0"]
+    study, state = _start_study(tmp_path, behaviour, grace=1.0, modes=("sync", "delayed"), args=("--jobs", "2"),
+                                env_without=("OMP_NUM_THREADS",))
+    children: list[int] = []
+    try:
+        children = [int(_wait_for(state / run / "pid")) for run in runs]  # both in flight at the same time
+        study.send_signal(signal.SIGTERM)
+        rc = study.wait(timeout=20)
+        output = study.stdout.read()
+        assert rc == 128 + signal.SIGTERM, output
+        for run, child in zip(runs, children):
+            assert (state / run / "got-sigterm").exists() and not pid_alive(child), output
+            assert (state / run / "omp").read_text() == str(max(1, os.cpu_count() // 2))
+            assert json.loads((state / run / "lock").read_text())["child_pid"] == child
+            assert not (tmp_path / "out" / "runs" / f"{run}.lock").exists()
+            log = (tmp_path / "out" / "logs" / f"{run}.log").read_text()
+            assert "(stopped by the study: SIGTERM; exit" in log
+            if behaviour == "polite":
+                assert (state / run / "stopped").exists()
+        if behaviour == "stubborn":
+            assert "2 of the runs did not stop within 1s of SIGTERM; killing them" in output
+        assert "interrupted (SIGTERM) during adamw-sync-s0, adamw-delayed-s0; the runs were stopped" in output
+    finally:
+        study.kill()
+        for child in children:
+            if pid_alive(child):
+                os.kill(child, signal.SIGKILL)
+
+
 def test_rerun_does_not_touch_a_run_still_training(tmp_path, capsys):
     """A study killed with SIGKILL cannot stop its run; the next study must not delete or retrain it."""
     study, state = _start_study(tmp_path, "polite", grace=1.0)
     child = None
     try:
-        child = int(_wait_for(state / "pid"))
+        child = int(_wait_for(state / RUN / "pid"))
         study.kill()
         study.wait(timeout=10)
         assert pid_alive(child)  # the orphan trains on
@@ -405,6 +447,134 @@ def test_rerun_does_not_touch_a_run_still_training(tmp_path, capsys):
         study.kill()
         if child is not None and pid_alive(child):
             os.kill(child, signal.SIGKILL)
+
+
+# ---- --jobs -----------------------------------------------------------------------------------
+class SlowRunner(FakeRunner):
+    """A :class:`FakeRunner` that takes ``seconds`` (per run name, else ``default``) and records when each run
+    started and ended; safe to call from several threads."""
+
+    def __init__(self, default: float = 0.3, seconds: dict[str, float] | None = None, **kwargs):
+        super().__init__(**kwargs)
+        self.default, self.seconds = default, seconds or {}
+        self.spans: dict[str, tuple[float, float]] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, spec: RunSpec) -> int:
+        start = time.monotonic()
+        time.sleep(self.seconds.get(spec.name, self.default))
+        try:
+            with self._lock:
+                return super().__call__(spec)
+        finally:
+            self.spans[spec.name] = (start, time.monotonic())
+
+
+def most_at_once(spans) -> int:
+    """The largest number of the ``(start, end)`` spans that overlap (an end before a start at the same time)."""
+    events = sorted([(s, 1) for s, _ in spans] + [(e, -1) for _, e in spans])
+    now = most = 0
+    for _, step in events:
+        now += step
+        most = max(most, now)
+    return most
+
+
+def test_jobs_overlap_runs_but_never_more_than_jobs(tmp_path, capsys):
+    path = write_study(tmp_path, seeds=[0])  # 2 optimizers x 3 modes
+    runner = SlowRunner(0.3)
+    assert study_main(["--config", str(path), "--no-compare", "--jobs", "2"], runner=runner) == 0
+    assert len(runner.spans) == 6 and most_at_once(runner.spans.values()) == 2
+    out = capsys.readouterr().out
+    assert "study t: 6 runs, 0 already done, 6 to run -> " in out and "(2 at a time)" in out
+    for i, name in enumerate(["adamw-sync-s0", "adamw-delayed-s0", "adamw-delayed-ef-s0", "muon-sync-s0"], 1):
+        assert f"[{i}/6] {name}: running (log: " in out and f"[{i}/6] {name}: ok in " in out
+    # one at a time (the default) never overlaps
+    one = SlowRunner(0.05)
+    assert study_main(["--config", str(path), "--no-compare", "--output", str(tmp_path / "one")], runner=one) == 0
+    assert most_at_once(one.spans.values()) == 1
+
+
+def test_jobs_results_and_resume_equal_the_sequential_ones(tmp_path):
+    path = write_study(tmp_path)
+    outcomes = dict(fail={"adamw-delayed-s0"}, diverge={"muon-delayed-s1": "guard", "adamw-sync-s1": "no-guard"})
+    results = {}
+    for jobs in (1, 3):
+        study = load_study(path)
+        study.output = tmp_path / f"jobs{jobs}"
+        result = run_study(study, runner=SlowRunner(0.02, **outcomes), jobs=jobs, compare=False, print_fn=lambda m: None)
+        rerun = SlowRunner(0.02)
+        again = run_study(study, runner=rerun, jobs=jobs, compare=False, print_fn=lambda m: None)
+        done = sorted(p.parent.name for p in study.runs_dir.glob("*/DONE"))
+        results[jobs] = (result.ran, result.skipped, result.failed, result.diverged, again.ran, again.skipped,
+                         sorted(rerun.calls), done, sorted(p.name for p in study.runs_dir.glob("*.lock")))
+    assert results[3] == results[1]
+    assert results[1][2] == ["adamw-delayed-s0"] and results[1][6] == ["adamw-delayed-s0"]  # failures retried
+    assert results[1][3] == ["adamw-sync-s1", "muon-delayed-s1"] and results[1][8] == []  # no lock left behind
+
+
+def test_jobs_resume_after_interruption(tmp_path, capsys):
+    path = write_study(tmp_path)
+    first = SlowRunner(0.1, interrupt_at=3)
+    assert study_main(["--config", str(path), "--no-compare", "--jobs", "2"], runner=first) == 130
+    out = capsys.readouterr().out
+    interrupted = first.calls[2]
+    (note,) = [line for line in out.splitlines() if line.startswith("interrupted during ")]
+    assert interrupted in note and "Rerun the same command to resume" in note
+    runs = tmp_path / "out" / "runs"
+    assert not list(runs.glob("*.lock"))  # every lock released, the other run in flight waited for
+    finished = {p.parent.name for p in runs.glob("*/DONE")}
+    assert interrupted not in finished and len(finished) == len(first.calls) - 1  # the other run in flight ended
+    second = SlowRunner(0.02)
+    assert study_main(["--config", str(path), "--no-compare", "--jobs", "2"], runner=second) == 0
+    assert sorted(second.calls) == sorted({s.name for s in load_study(path).expand()} - finished)
+    assert f"{interrupted}: removing half-finished run" in capsys.readouterr().out
+
+
+def test_jobs_fail_fast_stops_launching_and_lets_running_runs_finish(tmp_path, capsys):
+    path = write_study(tmp_path, optimizers=["adamw"])  # 3 modes x 2 seeds
+    runner = SlowRunner(0.5, seconds={"adamw-sync-s0": 0.05}, fail={"adamw-sync-s0"})
+    assert study_main(["--config", str(path), "--no-compare", "--fail-fast", "--jobs", "2"], runner=runner) == 1
+    assert sorted(runner.calls) == ["adamw-delayed-s0", "adamw-sync-s0"]  # no third run was launched
+    out = capsys.readouterr().out
+    stop = out.index("stopping at the first failure (--fail-fast); waiting for the 1 run(s) in flight")
+    assert out.index("[2/6] adamw-delayed-s0: ok in") > stop  # the run in flight finished
+    # one at a time, the study stops at the failure itself
+    alone = SlowRunner(0.01, fail={"adamw-sync-s0"})
+    assert study_main(["--config", str(path), "--no-compare", "--fail-fast", "--output", str(tmp_path / "one")],
+                      runner=alone) == 1
+    assert alone.calls == ["adamw-sync-s0"]
+
+
+def test_jobs_from_the_study_file_and_the_command_line(tmp_path, capsys):
+    assert load_study(write_study(tmp_path)).jobs == 1
+    assert load_study(write_study(tmp_path, jobs=3)).jobs == 3
+    with pytest.raises(StudyError, match="jobs must be a positive integer"):
+        load_study(write_study(tmp_path, jobs=0))
+    runner = FakeRunner()
+    path = write_study(tmp_path, jobs=4)
+    assert study_main(["--config", str(path), "--dry-run", "--jobs", "2"], runner=runner) == 0
+    assert "(2 at a time)" in capsys.readouterr().out
+    assert study_main(["--config", str(path), "--jobs", "0"], runner=runner) == 2
+    assert "--jobs must be a positive integer" in capsys.readouterr().err and runner.calls == []
+
+
+def test_run_env_shares_the_cores_among_the_jobs(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert run_env(1)["PYTHONUNBUFFERED"] == "1" and "OMP_NUM_THREADS" not in run_env(1)  # as without --jobs
+    assert [run_env(jobs)["OMP_NUM_THREADS"] for jobs in (2, 3, 8, 16)] == ["4", "2", "1", "1"]
+    assert run_env(4, {"OMP_NUM_THREADS": "6"})["OMP_NUM_THREADS"] == "6"  # the user's setting wins
+    # and it reaches the training process
+    script = "import os; print('threads', os.environ.get('OMP_NUM_THREADS', 'unset'))"
+    for jobs, expected in ((2, "threads 4"), (1, "threads unset")):
+        spec = RunSpec(name=f"r{jobs}", optimizer=None, mode="sync", lr=None, seed=0, ef_strength=None, delay=None,
+                       run_dir=tmp_path / "runs" / f"r{jobs}", log_path=tmp_path / "logs" / f"r{jobs}.log",
+                       command=[sys.executable, "-c", script])
+        assert subprocess_runner(spec, jobs=jobs) == 0
+        assert expected in spec.log_path.read_text().splitlines()
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert subprocess_runner(spec, jobs=2) == 0 and "threads 3" in spec.log_path.read_text()
 
 
 # ---- probe ------------------------------------------------------------------------------------
@@ -468,6 +638,35 @@ def test_probe_with_injected_runner(tmp_path, capsys):
     assert "async costs 0.2800 in final loss" in out and "EF recovers 75%" in out and "Confidence: high" in out
     assert (tmp_path / "p" / "compare" / "verdict.md").exists()
     assert probe_main(["--config", str(tmp_path / "missing.yaml")], runner=runner) == 2
+
+
+def test_probe_tries_the_corrections_and_recommends_the_best(tmp_path, capsys):
+    from lightning_async.tools.study.runner import synthetic_runner
+
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("model: {optimizer: adamw}\n")
+    rc = probe_main(["--config", str(recipe), "--steps", "8", "--seeds", "2", "--corrections", "all",
+                     "--output", str(tmp_path / "p")], runner=synthetic_runner)
+    assert rc == 0
+    runs = sorted(p.name for p in (tmp_path / "p" / "runs").iterdir() if p.is_dir())
+    assert len(runs) == 2 * 7 and "delayed-weight-prediction-s1" in runs
+    out = capsys.readouterr().out
+    assert "nesterov recovered" in out and "dc-asgd recovered" in out  # a column per correction
+    assert "Recommendation: ef, which recovers 75% ± 0% of the delay's gap over 2 seeds" in out
+    assert "corrections/ef" in (tmp_path / "p" / "compare" / "verdict.md").read_text()
+
+
+def test_probe_recommendation_wording_and_bad_corrections(tmp_path):
+    from lightning_async.compare.ranking import BestCorrection
+    from lightning_async.tools.probe import probe_modes, recommendation
+
+    assert probe_modes(["nesterov", "ef", "nesterov"]) == ["sync", "delayed", "delayed-nesterov", "delayed-ef"]
+    hurts = BestCorrection("lion", "nesterov", "lion", -0.2, 0.05, 3)
+    assert recommendation(hurts).startswith("Recommendation: no correction: the best one tried, nesterov, recovers -20%")
+    assert "could be ranked" in recommendation(None)
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("model: {optimizer: adamw}\n")
+    assert probe_main(["--config", str(recipe), "--corrections", "dcasgd", "--dry-run"]) == 2
 
 
 # ---- the real thing ---------------------------------------------------------------------------

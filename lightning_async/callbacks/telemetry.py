@@ -13,17 +13,18 @@ from lightning.pytorch.core.saving import save_hparams_to_yaml
 from lightning.pytorch.utilities import rank_zero_only
 
 from lightning_async.callbacks.delay import DelayCorrection, DelaySimulation, _is_pipeline
-from lightning_async.optim.corrections import NO_CORRECTION
+from lightning_async.identity import NO_CORRECTION, UNIFORM_PROFILE, RunIdentity
 from lightning_async.pipeline import schedules
 
 
 def run_identity(trainer: Trainer, pl_module: LightningModule) -> dict:
-    """``optimizer``, ``mode``, ``ef_strength``, ``correction``, ``correction_strength``, ``delay``,
-    ``delay_profile``, ``seed``, ``lr`` of this run, from the settings in effect."""
+    """This run's :class:`~lightning_async.identity.RunIdentity` record (``optimizer``, ``mode``, ``ef_strength``,
+    ``correction``, ``correction_strength``, ``delay``, ``delay_profile``, ``seed``, ``lr``), from the settings in
+    effect: the ``DelaySimulation``/``DelayCorrection`` callbacks, or the pipeline strategy."""
     hparams = dict(getattr(pl_module, "hparams", {}) or {})
     sources = [cb for cb in trainer.callbacks if isinstance(cb, DelaySimulation) and cb.active]
     delay = max((cb.max_delay for cb in sources), default=0)
-    profile = sources[0].profile_label() if sources else "uniform"
+    profile = sources[0].profile_label() if sources else UNIFORM_PROFILE
     corrections = [cb.correction for cb in trainer.callbacks if isinstance(cb, DelayCorrection) and cb.active]
     if _is_pipeline(trainer):
         strategy = trainer.strategy
@@ -34,19 +35,16 @@ def run_identity(trainer: Trainer, pl_module: LightningModule) -> dict:
     else:
         mode = "delayed" if delay else "sync"
     correction = corrections[0] if corrections and (delay or mode == "async_pipe") else None
-    method = correction.method if correction is not None else NO_CORRECTION
-    seed = os.environ.get("PL_GLOBAL_SEED")
-    return {
-        "optimizer": hparams.get("optimizer", "custom"),
+    return RunIdentity.from_mapping({  # raw values (a module's lr may be anything): read as compare reads them
+        "optimizer": hparams.get("optimizer") or "custom",
         "mode": mode,
-        "ef_strength": float(correction.strength) if method == "ef" else 0.0,
-        "correction": method,
-        "correction_strength": float(correction.strength) if correction is not None else 0.0,
-        "delay": int(delay),
+        "correction": correction.method if correction is not None else NO_CORRECTION,
+        "correction_strength": correction.strength if correction is not None else 0.0,
+        "delay": delay,
         "delay_profile": profile,
-        "seed": int(seed) if seed is not None else None,
+        "seed": os.environ.get("PL_GLOBAL_SEED"),
         "lr": hparams.get("lr"),
-    }
+    }).as_record()
 
 
 def live_corrections(trainer: Trainer) -> list:

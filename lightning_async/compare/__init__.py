@@ -5,7 +5,8 @@ Python use::
     from lightning_async.compare import compare
     result = compare(["studies/quickstart/runs"], output="studies/quickstart/compare")
     for row in result.rows:
-        print(row.label, row.gap, row.recovered)
+        print(row.label, row.gap, row.recovered, row.recovered_by("nesterov"))
+    best = best_corrections(result.rows)  # optimizer -> the correction recovering most of its gap
 
 Command line: ``lightning-async compare RUN_DIR [RUN_DIR ...] [--output DIR] [--paper]`` or
 ``python -m lightning_async.compare ...``. See ``docs/compare.md``.
@@ -34,6 +35,7 @@ from lightning_async.compare.events import (
     read_scalars,
 )
 from lightning_async.compare.divergence import DIVERGED_FILE, Divergence, find_divergence
+from lightning_async.compare.ranking import BestCorrection, best_corrections
 from lightning_async.compare.report import (
     GAP_TOLERANCE,
     PAPER_REFERENCE,
@@ -48,6 +50,7 @@ from lightning_async.compare.selection import select_runs
 __all__ = [
     "ASYNC",
     "ASYNC_EF",
+    "BestCorrection",
     "GAP_TOLERANCE",
     "PAPER_REFERENCE",
     "SYNC",
@@ -58,6 +61,7 @@ __all__ = [
     "Row",
     "Run",
     "RunIdentity",
+    "best_corrections",
     "build_rows",
     "classify",
     "compare",
@@ -100,10 +104,11 @@ def compare(
     """Load runs under ``paths``, build the gap table and (with ``output``) write the report.
 
     Each row is compared at the last step all its runs logged ``val/loss``; diverged runs are marked
-    and left out of the numbers; of several runs for one slot (same optimizer, mode class, lr,
-    delay, EF strength and seed) the only finished one is used. Raises :class:`CompareError` for
-    fatal input problems (nothing found, a run without identity unless ``skip_invalid``, several
-    finished runs for one slot, no optimizer with both a sync and an async run).
+    and left out of the numbers; of several runs for one slot (same optimizer, class, lr, delay,
+    delay profile, correction strength and seed) the only finished one is used. Raises
+    :class:`CompareError` for fatal input problems (nothing found, a run without identity unless
+    ``skip_invalid``, several finished runs for one slot, no optimizer with both a sync and an async
+    run).
     """
     warnings: list[str] = []
 
@@ -146,9 +151,9 @@ def compare(
 def build_parser(prog: str = "lightning-async compare") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
-        description="Compare sync, async (one-step delayed) and async+EF runs: final validation loss, gap "
-        "and the share of the gap EF recovers, per optimizer. Writes report.md, PNG curves and a "
-        "TensorBoard custom-scalars layout when --output is given.",
+        description="Compare sync, async (one-step delayed) and corrected async runs (async+EF, async+nesterov, "
+        "...): final validation loss, gap and the share of the gap each correction recovers, per optimizer. "
+        "Writes report.md, PNG curves and a TensorBoard custom-scalars layout when --output is given.",
     )
     parser.add_argument("paths", nargs="+", metavar="RUN_DIR", help="run directories or parents of many runs")
     parser.add_argument("--output", "-o", default=None, help="directory for report.md, PNGs and the TensorBoard layout")

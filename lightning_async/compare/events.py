@@ -2,11 +2,13 @@
 
 A *run directory* is a directory that directly holds ``events.out.tfevents.*`` files (the
 ``<save_dir>/<experiment>/<run_name>/`` folder of Lightning's ``TensorBoardLogger``). Its
-*identity* (optimizer, mode, EF strength, delay, seed, learning rate) comes from the
-``hparams.yaml`` Lightning writes next to the event files; when that file is missing or lacks
-a key, from the TensorBoard hparams plugin data inside the event files; and as a last resort
-from the ``config.yaml`` LightningCLI saves there. Keys are looked up at the top level first,
-then anywhere in nested sections (``model.optimizer``, ``model/optimizer``).
+*identity* (a :class:`lightning_async.identity.RunIdentity`: optimizer, mode, correction and its
+strength, delay and delay profile, seed, learning rate) comes from the ``hparams.yaml`` Lightning
+writes next to the event files; when that file is missing or lacks a key, from the TensorBoard
+hparams plugin data inside the event files; and as a last resort from the ``config.yaml``
+LightningCLI saves there. Keys are looked up at the top level first, then anywhere in nested
+sections (``model.optimizer``, ``model/optimizer``). Old runs without the newer keys
+(``correction``, ``correction_strength``, ``delay_profile``) read with the schema's defaults.
 
 Scalars are read with TensorBoard's own ``EventAccumulator`` and a ``size_guidance`` of 0
 (keep everything), so no point is dropped by reservoir sampling.
@@ -14,7 +16,6 @@ Scalars are read with TensorBoard's own ``EventAccumulator`` and a ``size_guidan
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -24,6 +25,16 @@ from typing import Any
 import yaml
 
 from lightning_async.compare.divergence import DONE_FILE, Divergence, find_divergence
+from lightning_async.identity import (  # noqa: F401  (re-exported: compare's names for the schema)
+    ASYNC,
+    ASYNC_EF,
+    IDENTITY_KEYS,
+    SYNC,
+    IdentityError,
+    MissingIdentity,
+    RunIdentity,
+    classify,
+)
 
 EVENT_PREFIX = "events.out.tfevents."
 OUTPUT_MARKER = ".lightning-async-compare"  # written into compare's own output dir: never a run
@@ -31,44 +42,9 @@ VAL_LOSS = "val/loss"
 TRAIN_LOSS = "train/loss"
 VAL_LOSS_BY_TOKENS = "val/loss_by_tokens"
 
-SYNC_MODES = ("sync", "sync_pipe")
-DELAYED_MODES = ("delayed", "async_pipe")
-KNOWN_MODES = SYNC_MODES + DELAYED_MODES
-IDENTITY_KEYS = ("optimizer", "mode", "ef_strength", "delay", "seed", "lr")
-REQUIRED_KEYS = ("optimizer", "mode")
-
-SYNC, ASYNC, ASYNC_EF = "sync", "async", "async+EF"
-CATEGORIES = (SYNC, ASYNC, ASYNC_EF)
-
 
 class CompareError(RuntimeError):
     """A problem with the input runs that makes a comparison impossible; the message says what to do."""
-
-
-@dataclass(frozen=True)
-class RunIdentity:
-    """What a run is: the knobs that decide which cell of the gap table it belongs to."""
-
-    optimizer: str
-    mode: str
-    ef_strength: float = 0.0
-    delay: int = 0
-    seed: int | None = None
-    lr: float | None = None
-
-    @property
-    def category(self) -> str:
-        """``sync``, ``async`` or ``async+EF`` (see :func:`classify`)."""
-        return classify(self.mode, self.ef_strength)
-
-
-def classify(mode: str, ef_strength: float) -> str:
-    """Sync = ``sync``/``sync_pipe``; async = ``delayed``/``async_pipe`` without EF; async+EF = EF strength > 0."""
-    if mode in SYNC_MODES:
-        return SYNC
-    if mode in DELAYED_MODES:
-        return ASYNC_EF if (ef_strength or 0.0) > 0 else ASYNC
-    raise CompareError(f"unknown mode {mode!r}: expected one of {', '.join(KNOWN_MODES)}")
 
 
 @dataclass
@@ -268,25 +244,6 @@ def _lookup(data: Mapping[str, Any], key: str) -> tuple[bool, Any]:
     return False, None
 
 
-def _as_float(value: Any, default: float | None) -> float | None:
-    if value is None or value == "":
-        return default
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return default
-
-
-def _as_int(value: Any, default: int | None) -> int | None:
-    if value is None or value == "" or isinstance(value, bool):
-        return default
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return default
-    return int(number) if math.isfinite(number) else default
-
-
 def identity_from(sources: list[tuple[str, Mapping[str, Any]]], run_dir: Path) -> RunIdentity:
     """Build a :class:`RunIdentity` from ordered sources (first source that has a key wins)."""
     values: dict[str, Any] = {}
@@ -296,28 +253,17 @@ def identity_from(sources: list[tuple[str, Mapping[str, Any]]], run_dir: Path) -
             if ok and value is not None and value != "":
                 values[key] = value
                 break
-    missing = [k for k in REQUIRED_KEYS if k not in values]
-    if missing:
+    try:
+        return RunIdentity.from_mapping(values)
+    except MissingIdentity as err:
         looked = ", ".join(name for name, data in sources if data) or "nothing readable"
         raise CompareError(
-            f"run {run_dir}: cannot tell what this run is: missing {', '.join(missing)} "
+            f"run {run_dir}: cannot tell what this run is: {err} "
             f"(looked in: {looked}; expected hparams.yaml with top-level keys {', '.join(IDENTITY_KEYS)}, "
             "or the same keys in the TensorBoard hparams of the event files)"
-        )
-    mode = str(values["mode"])
-    if mode not in KNOWN_MODES:
-        raise CompareError(f"run {run_dir}: unknown mode {mode!r}; expected one of {', '.join(KNOWN_MODES)}")
-    delay = _as_int(values.get("delay"), None)
-    if delay is None:
-        delay = 0 if mode in SYNC_MODES else 1
-    return RunIdentity(
-        optimizer=str(values["optimizer"]),
-        mode=mode,
-        ef_strength=_as_float(values.get("ef_strength"), 0.0) or 0.0,
-        delay=delay,
-        seed=_as_int(values.get("seed"), None),
-        lr=_as_float(values.get("lr"), None),
-    )
+        ) from None
+    except IdentityError as err:
+        raise CompareError(f"run {run_dir}: {err}") from None
 
 
 def load_run(run_dir: str | os.PathLike) -> Run:

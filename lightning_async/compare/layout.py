@@ -1,8 +1,8 @@
 """TensorBoard *Custom Scalars* view of a comparison.
 
 TensorBoard's custom-scalar charts select series by tag (regex), not by run, so the overlay of
-sync / async / async+EF per optimizer cannot be expressed on the original runs (they all log
-``val/loss``). Instead the output dir gets one event file (``<output>/tensorboard/``) that holds
+sync / async / async+EF / async+<correction> per optimizer cannot be expressed on the original
+runs (they all log ``val/loss``). Instead the output dir gets one event file (``<output>/tensorboard/``) that holds
 
 * a copy of each run's ``val/loss`` under the tag ``<group>/val_loss/<class>/<run name>``, and
 * a custom-scalars layout (``tensorboard.plugins.custom_scalar.layout_pb2``) with one category
@@ -18,7 +18,7 @@ import re
 import time
 from pathlib import Path
 
-from lightning_async.compare.events import ASYNC, ASYNC_EF, SYNC, VAL_LOSS
+from lightning_async.compare.events import VAL_LOSS
 from lightning_async.compare.report import Row
 
 
@@ -39,9 +39,10 @@ def build_layout(rows: list[Row]):
         charts = []
         for row in (r for r in rows if r.optimizer == optimizer):
             prefix = re.escape(_tag_part(row.label))
+            shown = " vs ".join(c for c in row.categories if row.runs.get(c))
             charts.append(
                 layout_pb2.Chart(
-                    title=f"{row.label}: val/loss, sync vs async vs async+EF",
+                    title=f"{row.label}: val/loss, {shown}",
                     multiline=layout_pb2.MultilineChartContent(tag=[rf"^{prefix}/val_loss/"]),
                 )
             )
@@ -112,8 +113,8 @@ def write_layout(rows: list[Row], output: Path, tag: str = VAL_LOSS) -> Path:
     wall = time.time()
     writer.add_event(event_pb2.Event(wall_time=wall, step=0, summary=layout_summary(build_layout(rows))))
     for row in rows:
-        for category in (SYNC, ASYNC, ASYNC_EF):
-            for run in row.runs[category]:
+        for category in row.categories:
+            for run in row.runs.get(category, []):
                 name = overlay_tag(row, category, run.name)
                 for step, value in run.series(tag):
                     summary = summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag=name, simple_value=value)])

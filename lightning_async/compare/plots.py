@@ -1,6 +1,7 @@
-"""PNG curves: validation loss vs step, sync / async / async+EF overlaid, one panel per row group.
+"""PNG curves: validation loss vs step, sync / async / async+EF (and each other correction) overlaid.
 
-Diverged runs are drawn (up to their last finite point) with "(DIVERGED)" in the legend.
+One colour per category (sync blue, async red, async+EF green, the other corrections their own), one
+line style per seed. Diverged runs are drawn (up to their last finite point) with "(DIVERGED)" in the legend.
 
 Uses matplotlib's Agg backend (no display needed). Writes one PNG per optimizer
 (``val_loss_<optimizer>.png``) and a grid of all of them (``val_loss_grid.png``).
@@ -13,9 +14,24 @@ from pathlib import Path
 
 from lightning_async.compare.events import ASYNC, ASYNC_EF, SYNC, VAL_LOSS
 from lightning_async.compare.report import Row
+from lightning_async.identity import EF, KNOWN_CORRECTIONS, correction_category
 
-COLORS = {SYNC: "tab:blue", ASYNC: "tab:red", ASYNC_EF: "tab:green"}
 STYLES = ("-", "--", ":", "-.")
+_OTHER_COLORS = ("tab:olive", "tab:orange", "tab:purple", "tab:brown", "tab:pink", "tab:cyan")
+COLORS = {
+    SYNC: "tab:blue", ASYNC: "tab:red", ASYNC_EF: "tab:green",
+    **{correction_category(c): color for c, color in zip([c for c in KNOWN_CORRECTIONS if c != EF], _OTHER_COLORS)},
+}
+
+
+def category_color(category: str) -> str:
+    """The colour of a category's curves (grey for one without its own)."""
+    return COLORS.get(category, "tab:gray")
+
+
+def _shown(rows: list[Row]) -> list[str]:
+    """The categories that have runs in ``rows``, in column order."""
+    return [c for c in dict.fromkeys(c for r in rows for c in r.categories) if any(r.runs.get(c) for r in rows)]
 
 
 def _pyplot():
@@ -35,8 +51,8 @@ def _draw(ax, rows: list[Row], tag: str) -> bool:
     drawn = False
     seen_labels: set[str] = set()
     for row in rows:
-        for category in (SYNC, ASYNC, ASYNC_EF):
-            runs = sorted(row.runs[category], key=lambda r: (r.identity.seed is None, r.identity.seed or 0))
+        for category in row.categories:
+            runs = sorted(row.runs.get(category, []), key=lambda r: (r.identity.seed is None, r.identity.seed or 0))
             for i, run in enumerate(runs):
                 points = run.series(tag)
                 if not points:
@@ -48,7 +64,7 @@ def _draw(ax, rows: list[Row], tag: str) -> bool:
                 if run.diverged:
                     label += " (DIVERGED)"
                 ax.plot(
-                    steps, values, color=COLORS[category], linestyle=STYLES[i % len(STYLES)],
+                    steps, values, color=category_color(category), linestyle=STYLES[i % len(STYLES)],
                     marker="o" if len(steps) < 30 else None, markersize=3, linewidth=1.4,
                     label=None if label in seen_labels else label,
                 )
@@ -73,7 +89,7 @@ def write_plots(rows: list[Row], output: Path, tag: str = VAL_LOSS) -> list[Path
         group = [r for r in rows if r.optimizer == optimizer]
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
         if _draw(ax, group, tag):
-            ax.set_title(f"{optimizer}: {tag} (sync / async / async+EF)")
+            ax.set_title(f"{optimizer}: {tag} ({' / '.join(_shown(group))})")
             fig.tight_layout()
             path = output / f"{tag.replace('/', '_')}_{_safe(optimizer)}.png"
             fig.savefig(path, dpi=110)
@@ -89,7 +105,8 @@ def write_plots(rows: list[Row], output: Path, tag: str = VAL_LOSS) -> list[Path
             ax.set_title(optimizer)
         for ax in list(axes.flat)[len(panels):]:
             ax.set_visible(False)
-        fig.suptitle(f"{tag}: sync (blue) / async (red) / async+EF (green)")
+        legend = " / ".join(f"{c} ({category_color(c).removeprefix('tab:')})" for c in _shown(rows))
+        fig.suptitle(f"{tag}: {legend}")
         fig.tight_layout()
         path = output / f"{tag.replace('/', '_')}_grid.png"
         fig.savefig(path, dpi=100)

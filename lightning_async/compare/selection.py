@@ -1,10 +1,10 @@
 """One run per table cell and seed: what to do when several runs claim the same place.
 
-Two runs with the same optimizer, learning rate, class (sync / async / async+EF), delay, EF strength
-and seed would fill the same slot of the gap table; before this check the later one silently
-replaced the earlier. Now a single finished run (``DONE`` or diverged) wins over unfinished
-attempts, with a warning naming both; anything else (two finished runs, or only unfinished ones) is
-refused, since picking one would be a guess.
+Two runs with the same optimizer, learning rate, class (sync / async / async+EF / async+<correction>),
+delay, delay profile, correction strength and seed would fill the same slot of the gap table; before
+this check the later one silently replaced the earlier. Now a single finished run (``DONE`` or
+diverged) wins over unfinished attempts, with a warning naming both; anything else (two finished
+runs, or only unfinished ones) is refused, since picking one would be a guess.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from lightning_async.compare.events import ASYNC_EF, SYNC, CompareError, Run
+from lightning_async.identity import UNIFORM_PROFILE
 
 
 def lr_key(lr: float | None) -> float | None:
@@ -20,15 +21,17 @@ def lr_key(lr: float | None) -> float | None:
 
 
 def slot(run: Run) -> tuple:
-    """The gap-table slot a run fills (its seed included)."""
+    """The gap-table slot a run fills (its seed included): runs that differ in correction never share one."""
     ident = run.identity
-    category = run.category
+    delayed = run.category != SYNC
     return (
         ident.optimizer,
         lr_key(ident.lr),
-        category,
-        None if category == SYNC else ident.delay,
-        ident.ef_strength if category == ASYNC_EF else None,
+        run.category,
+        ident.delay if delayed else None,
+        ident.delay_profile if delayed else None,
+        ident.correction if ident.corrected else None,
+        ident.correction_strength if ident.corrected else None,
         ident.seed,
     )
 
@@ -39,8 +42,11 @@ def describe_slot(run: Run) -> str:
     text = f"{ident.optimizer} {run.category} (lr {lr}, seed {ident.seed}"
     if run.category != SYNC:
         text += f", delay {ident.delay}"
-    if run.category == ASYNC_EF:
-        text += f", EF {ident.ef_strength:g}"
+        if ident.delay_profile != UNIFORM_PROFILE:
+            text += f", profile {ident.delay_profile}"
+    if ident.corrected:
+        name = "EF" if run.category == ASYNC_EF else ident.correction
+        text += f", {name} {ident.correction_strength:g}"
     return text + ")"
 
 

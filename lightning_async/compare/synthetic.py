@@ -15,6 +15,8 @@ from typing import Any
 
 import yaml
 
+from lightning_async.identity import RunIdentity
+
 
 def _scalar_event(tag: str, value: float, step: int, wall: float):
     from tensorboard.compat.proto import event_pb2, summary_pb2
@@ -29,7 +31,10 @@ def write_fake_run(
     optimizer: str = "adamw",
     mode: str = "sync",
     ef_strength: float = 0.0,
+    correction: str | None = None,
+    correction_strength: float | None = None,
     delay: int | None = None,
+    delay_profile: str = "uniform",
     seed: int | None = 0,
     lr: float | None = 1e-3,
     val_loss: Mapping[int, float] | Iterable[tuple[int, float]] | None = None,
@@ -40,13 +45,18 @@ def write_fake_run(
     done: bool | Mapping[str, Any] = True,
 ) -> Path:
     """Create ``run_dir`` with an event file (``train/loss``, ``val/loss``, ``train/tokens``,
-    ``val/loss_by_tokens``), an ``hparams.yaml`` with the identity, and a ``DONE`` marker."""
+    ``val/loss_by_tokens``), an ``hparams.yaml`` with the identity, and a ``DONE`` marker.
+
+    The identity arguments are those of :class:`lightning_async.identity.RunIdentity` (``ef_strength=1`` alone
+    means the ``ef`` correction; ``correction="nesterov"`` another one, of strength 1 unless given).
+    """
     from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
     path = Path(run_dir)
     path.mkdir(parents=True, exist_ok=True)
-    if delay is None:
-        delay = 0 if mode in ("sync", "sync_pipe") else 1
+    identity = RunIdentity(optimizer=optimizer, mode=mode, ef_strength=ef_strength, correction=correction,
+                           correction_strength=correction_strength, delay=delay, delay_profile=delay_profile,
+                           seed=seed, lr=lr)
     val = sorted(dict(val_loss).items()) if val_loss is not None else [(10, 3.0), (20, 2.5)]
     train = sorted(dict(train_loss).items()) if train_loss is not None else [(s, v + 0.05) for s, v in val]
     writer = EventFileWriter(str(path))
@@ -59,8 +69,7 @@ def write_fake_run(
         writer.add_event(_scalar_event("val/loss_by_tokens", value, step * tokens_per_step, wall))
     writer.flush()
     writer.close()
-    hparams = {"optimizer": optimizer, "mode": mode, "ef_strength": float(ef_strength), "delay": int(delay),
-               "seed": seed, "lr": lr, **dict(extra_hparams or {})}
+    hparams = {**identity.as_record(), **dict(extra_hparams or {})}
     if hparams_yaml:
         (path / "hparams.yaml").write_text(yaml.safe_dump(hparams, sort_keys=False))
     if done:

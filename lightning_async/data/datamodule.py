@@ -1,8 +1,10 @@
 """``TextDataModule``: corpus -> tokenizer -> cached token file -> shuffled windows of ``seq_len + 1``.
 
 ``prepare_data()`` (one process) tokenizes each split into the cache; ``setup()`` (every process)
-memory-maps it and cuts it into windows. The loaders are plain ``DataLoader``s, so Lightning
-swaps in its ``DistributedSampler`` under data parallelism. See ``docs/data.md``.
+memory-maps it and cuts it into windows. The training loader draws through a ``ResumableShuffleSampler``
+(a ``DistributedSampler``: shuffled per epoch from ``(seed, epoch)``, sharded over data-parallel replicas,
+resumed mid-epoch from the trainer's loop state, :mod:`~lightning_async.data.sampler`); the evaluation
+loaders are plain, ordered ``DataLoader``s. See ``docs/data.md``.
 """
 
 from __future__ import annotations

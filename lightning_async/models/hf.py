@@ -169,12 +169,13 @@ class HFCausalLM(CausalLMTraining):
             of config fields with ``model_type`` (random initialisation), or a ``PretrainedConfig``.
         vocab_size: set from the tokenizer (the CLI links it from the data module). With a config it sets
             the vocabulary; with pretrained weights it must fit in the model's embedding.
-        optimizer, lr, weight_decay, optimizer_kwargs, warmup_fraction, min_lr_fraction: as in ``CausalLM``.
         model_overrides: config fields to change (e.g. ``{"num_hidden_layers": 2}``); with a model directory
             they are passed to ``from_pretrained``.
         compile: ``torch.compile`` each decoder layer (in place: the state-dict keys do not change).
         attn_implementation: ``"sdpa"`` (causal attention without a mask tensor) or another transformers
             attention implementation (``"eager"`` builds a mask per micro-batch).
+        training: ``optimizer``, ``lr``, ``weight_decay``, ``optimizer_kwargs``, ``warmup_fraction``,
+            ``min_lr_fraction`` (:class:`~lightning_async.lm.CausalLMTraining`).
 
     The hyperparameters saved in checkpoints hold the full config (``model`` becomes its dict), so a
     checkpoint rebuilds the model without the original directory (``lightning-async export``).
@@ -184,18 +185,12 @@ class HFCausalLM(CausalLMTraining):
         self,
         model: str | dict,
         vocab_size: int | None = None,
-        optimizer: str = "adamw",
-        lr: float = 3e-3,
-        weight_decay: float = 0.1,
-        optimizer_kwargs: dict | None = None,
-        warmup_fraction: float = 0.1,
-        min_lr_fraction: float = 0.1,
         model_overrides: dict | None = None,
         compile: bool = False,
         attn_implementation: str = "sdpa",
+        **training,
     ) -> None:
-        super().__init__()
-        self.save_hyperparameters()
+        super().__init__(**training)
         pretrained = isinstance(model, (str, os.PathLike)) and os.path.isdir(model)
         if isinstance(model, (str, os.PathLike)):
             check_local_source(os.fspath(model))

@@ -7,7 +7,7 @@ A pipeline cuts only between these units (see :mod:`lightning_async.pipeline.par
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -41,9 +41,6 @@ class SmolLM2Config:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 MODEL_CONFIGS: dict[str, SmolLM2Config] = {

@@ -29,6 +29,7 @@ from collections.abc import Mapping
 import torch
 from torch.optim import Optimizer
 
+from lightning_async.optim.closure import evaluate_closure
 from lightning_async.optim.corrections import FORWARD, Correction, ErrorFeedback
 from lightning_async.optim.delayed_step import delayed_step
 
@@ -194,10 +195,7 @@ class DelayedOptimizer(OptimizerWrapper):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         if self.max_delay == 0 or self.steps_taken < self.start_step:
             self.optimizer.step()
         elif self.pairing == "fifo":

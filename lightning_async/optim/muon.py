@@ -30,6 +30,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_async.optim.closure import evaluate_closure
+
 NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)  # Jordan et al. 2024, as in torch.optim.Muon
 NS_STEPS = 5
 NS_EPS = 1e-7
@@ -139,10 +141,7 @@ class BatchedMuon(Optimizer):
     # ---- the step ----------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         for group in self.param_groups:
             self._step_group(group)
         return loss

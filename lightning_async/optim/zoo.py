@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_async.optim.closure import evaluate_closure
 from lightning_async.optim.muon import BatchedMuon, NorMuon, adjusted_lr
 
 log = logging.getLogger(__name__)
@@ -134,10 +135,7 @@ class CompositeOptimizer(Optimizer):
         super().add_param_group(param_group)
 
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         for child in self.optimizers:
             child.step()
         return loss

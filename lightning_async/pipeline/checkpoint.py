@@ -1,4 +1,6 @@
-"""Pipeline checkpoints: a directory with ``meta.json`` and one ``stage-NN.ckpt`` per stage.
+"""The on-disk format of pipeline checkpoints: a directory with ``meta.json`` and one ``stage-NN.ckpt`` per stage.
+
+(No Lightning here: the strategy's collective save and load are in :mod:`lightning_async.strategies.checkpoints`.)
 
 Writing is atomic as a directory: the stages write into ``<path>.partial``, then rank 0 writes
 ``meta.json`` (the completion marker, always last) and renames the directory into place (an older
@@ -19,7 +21,6 @@ import shutil
 from collections.abc import Callable
 
 import torch
-from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 MARKER = "meta.json"
 
@@ -190,15 +191,6 @@ def refuse_pipeline_checkpoint(path: str | os.PathLike | None) -> None:
         f"can resume it. Resume with strategy=async_pipe (as many stages as it has), or evaluate/export its weights "
         f"with `python -m lightning_async.pipeline.checkpoint {path} model.pt` and load model.pt into the plain module."
     )
-
-
-class PipelineAwareCheckpointIO(TorchCheckpointIO):
-    """Lightning's checkpoint IO that refuses a pipeline checkpoint directory with a clear message (instead of
-    ``IsADirectoryError``) in runs without the pipeline strategy: ``Trainer(plugins=[PipelineAwareCheckpointIO()])``."""
-
-    def load_checkpoint(self, path, *args, **kwargs):
-        refuse_pipeline_checkpoint(path)
-        return super().load_checkpoint(path, *args, **kwargs)
 
 
 def main(argv: list[str] | None = None) -> int:

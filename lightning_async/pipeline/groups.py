@@ -1,17 +1,18 @@
-"""Process groups of a pipeline x data-parallel mesh. Rank ``r`` is stage ``r % pp`` of replica ``r // pp``."""
+"""The process groups of a :class:`~lightning_async.pipeline.mesh.PipelineMesh`, made once per default group."""
 
 from __future__ import annotations
 
 import dataclasses
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
-from lightning_async.pipeline.runtime import PipelineGroups
+from lightning_async.pipeline.mesh import PipelineGroups, PipelineMesh
 
-# Groups made under the current default process group, by (rank, world size, stages). Every fit, validate or
-# test sets the strategy up again; on NCCL each ``new_group`` is a communicator (memory, and a collective
-# split across the whole world), so they are made once per default group and reused.
+# Groups made under the current default process group, by (rank, mesh, timeout). Every fit, validate or test
+# sets the strategy up again; on NCCL each ``new_group`` is a communicator (memory, and a collective split across
+# the whole world), so they are made once per default group and reused.
 _MADE: dict = {}
 
 
@@ -24,46 +25,49 @@ def make_pipeline_groups(
     without dying (SIGSTOP, a stuck kernel) makes its peers raise ``PeerFailure`` after it. ``None``: torch's
     default (30 minutes), not the default group's timeout.
     """
+    mesh = PipelineMesh.from_world(world_size, pipeline_parallel_size)
     if world_size == 1 or not dist.is_initialized():
-        return _empty(rank, world_size, pipeline_parallel_size)
+        return PipelineGroups(mesh, rank)
     if _MADE.get("world") is not dist.group.WORLD:  # a new default group: the old groups died with it
         _MADE.clear()
         _MADE["world"] = dist.group.WORLD
-    key = (rank, world_size, pipeline_parallel_size, timeout)
+    key = (rank, mesh, timeout)
     if key not in _MADE:
-        _MADE[key] = _make(rank, world_size, pipeline_parallel_size, timeout)
+        _MADE[key] = _make(mesh, rank, timeout)
     return dataclasses.replace(_MADE[key])
 
 
-def _empty(rank: int, world_size: int, pp: int) -> PipelineGroups:
-    return PipelineGroups(
-        stage=rank % pp, num_stages=pp, data_parallel_size=world_size // pp, stage_of_rank=lambda r: r % pp,
-        rank=rank, world_size=world_size,
-    )
-
-
-def _make(rank: int, world_size: int, pp: int, timeout: timedelta | None) -> PipelineGroups:
-    groups = _empty(rank, world_size, pp)
-    dp = world_size // pp
+def _make(mesh: PipelineMesh, rank: int, timeout: timedelta | None) -> PipelineGroups:
+    groups = PipelineGroups(mesh, rank)
 
     def new_group(ranks: list[int]):
         return dist.new_group(ranks, timeout=timeout)
 
-    for replica in range(dp):
-        ranks = [replica * pp + s for s in range(pp)]
+    for replica in range(mesh.data_parallel_size):
+        ranks = mesh.pipeline_ranks(replica)
         p2p, pipeline = new_group(ranks), new_group(ranks)
-        tied = new_group([ranks[0], ranks[-1]]) if pp > 1 else None
+        tied = new_group(mesh.tied_ranks(replica)) if mesh.pipeline_parallel_size > 1 else None
         if rank in ranks:
             groups.p2p, groups.pipeline, groups.tied = p2p, pipeline, tied
-    if dp > 1:  # (with one replica there is nothing to average; every rank skips alike)
-        for stage in range(pp):
-            ranks = [replica * pp + stage for replica in range(dp)]
+    if mesh.data_parallel_size > 1:  # (with one replica there is nothing to average; every rank skips alike)
+        for stage in range(mesh.pipeline_parallel_size):
+            ranks = mesh.data_parallel_ranks(stage)
             group = new_group(ranks)
             if rank in ranks:
                 groups.data_parallel = group
-    groups.metrics = new_group(list(range(world_size)))
-    if groups.stage > 0:
-        groups.prev_rank = rank - 1
-    if groups.stage < pp - 1:
-        groups.next_rank = rank + 1
+    groups.metrics = new_group(list(range(mesh.world_size)))
     return groups
+
+
+def synchronize_initial_weights(groups: PipelineGroups, module, tied: list[str]) -> None:
+    """Tied copies start equal to the first stage's, replicas to replica 0's (a collective of the mesh)."""
+    if groups.metrics is None:  # a single process
+        return
+    mesh, named = groups.mesh, dict(module.named_parameters())
+    with torch.no_grad():
+        if groups.tied is not None and tied:
+            for name in tied:
+                dist.broadcast(named[name].data, src=mesh.rank_of(0, groups.replica), group=groups.tied)
+        if groups.data_parallel is not None:
+            for p in module.parameters():
+                dist.broadcast(p.data, src=mesh.rank_of(groups.stage, 0), group=groups.data_parallel)

@@ -2,7 +2,7 @@
 
 Why not ``torch.distributed.pipelining.PipelineStage``: its communication helpers are private
 (``_batch_p2p``, ``_initialize_stage``) and its schedules clear their state every step, while 2BW keeps
-micro-batches in flight across steps. This layer is ~200 lines on public APIs only.
+micro-batches in flight across steps. This layer uses public ``torch.distributed`` APIs only.
 
 Ordering rule (NCCL-safe): a send that is followed by a receive from the same neighbour is posted in one
 ``batch_isend_irecv`` group (forward-send with backward-receive and vice versa, as Megatron does), so

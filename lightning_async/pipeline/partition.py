@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 
-import torch
 from torch import nn
 
-from lightning_async.pipeline.boundary import NO_CONTEXT, call_unit, flatten, takes_context, unflatten
+from lightning_async.pipeline.measure import measure_unit_times  # the default time_fn (importable from here too)
 
 PARTITION_METHODS = ("uniform", "parameters", "time")
 
@@ -70,36 +68,6 @@ def boundaries_from_names(unit_names: Sequence[str], stage_starts: Sequence[str]
             f"Give {num_stages - 1} unit names where stages 1..{num_stages - 1} begin."
         )
     return starts
-
-
-def measure_unit_times(
-    units: Sequence[nn.Module], example, repeats: int = 2, context_fn: Callable | None = None
-) -> list[float]:
-    """Forward+backward seconds of each unit, feeding each unit the previous unit's output.
-
-    ``example`` (the first unit's input) and the outputs may be tensors or small pytrees of tensors
-    (:mod:`~lightning_async.pipeline.boundary`); ``context_fn`` is the module's ``pipeline_context``, handed to
-    the units whose forward takes ``context``.
-    """
-    context = NO_CONTEXT if context_fn is None else context_fn(example)
-    times, value = [], example
-    for unit in units:
-        unit_context = context if takes_context(unit) else NO_CONTEXT
-        leaves, structure = flatten(value)
-        best = float("inf")
-        for _ in range(repeats):
-            inp = unflatten([x.detach().requires_grad_(x.is_floating_point()) for x in leaves], structure)
-            start = time.perf_counter()
-            out = call_unit(unit, inp, unit_context)
-            grad_leaves = [x for x in flatten(out, "Pipeline unit")[0] if x.requires_grad]
-            if grad_leaves:
-                torch.autograd.backward([x.float().sum() for x in grad_leaves])
-            best = min(best, time.perf_counter() - start)
-        unit.zero_grad(set_to_none=True)
-        times.append(best)
-        out_leaves, out_structure = flatten(out)
-        value = unflatten([x.detach() for x in out_leaves], out_structure)
-    return times
 
 
 def partition_units(

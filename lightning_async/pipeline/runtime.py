@@ -20,81 +20,19 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.func import functional_call
-from torch.utils.checkpoint import checkpoint
 
 from lightning_async.optim.delayed_step import delayed_step, scheduled_values
 from lightning_async.optim.corrections import Correction
 from lightning_async.pipeline import schedules
-from lightning_async.pipeline.boundary import NO_CONTEXT, call_unit, flatten, rows, signature, split_rows, takes_context, unit_arguments
+from lightning_async.pipeline.boundary import flatten, rows, signature, split_rows
+from lightning_async.pipeline.mesh import PipelineGroups
 from lightning_async.pipeline.p2p import PeerFailure, StageTransport
+from lightning_async.pipeline.stage import StageModule
 from lightning_async.pipeline.schedules import BACKWARD, FORWARD, UPDATE
 
 
-class StageModule(nn.Module):
-    """The units of one stage, applied in order (see :mod:`~lightning_async.pipeline.boundary`).
-
-    ``forward(value, context, recompute)``: each unit gets the previous unit's value spread as arguments,
-    plus ``context=`` if its forward takes one and a context is given. With ``recompute`` each unit's
-    forward is checkpointed (recomputed in the backward) with the weights it ran with: under
-    ``functional_call`` those are the weight slot swapped in, not the module's own (newest) parameters.
-    """
-
-    def __init__(self, units: Sequence[tuple[str, nn.Module]]) -> None:
-        super().__init__()
-        self.unit_names = [name for name, _ in units]
-        self.units = nn.ModuleList(module for _, module in units)
-        self.takes_context = [takes_context(module) for _, module in units]
-
-    def forward(self, value, context=NO_CONTEXT, recompute: bool = False):
-        for name, unit, wants_context in zip(self.unit_names, self.units, self.takes_context):
-            unit_context = context if wants_context else NO_CONTEXT
-            if recompute:
-                weights = dict(unit.named_parameters())  # the slot functional_call put in, bound for the recompute
-                value = checkpoint(_call_with, unit, weights, value, unit_context, use_reentrant=False)
-            elif unit_context is NO_CONTEXT and isinstance(value, torch.Tensor):
-                value = unit(value)  # the single-tensor path, as before
-            else:
-                value = call_unit(unit, value, unit_context)
-            if not isinstance(value, torch.Tensor):
-                flatten(value, f"Pipeline unit {name!r}")  # refuses anything but a small pytree of tensors
-        return value
-
-
-def _call_with(unit: nn.Module, weights: dict[str, torch.Tensor], value, context):
-    """``unit(value)`` with ``weights`` in place of its parameters (what a checkpoint recomputes)."""
-    args, kwargs = unit_arguments(value, context)
-    return functional_call(unit, weights, args, kwargs)
-
-
-def build_stage(
-    units: Sequence[tuple[str, nn.Module]], stage_units: Sequence[Sequence[str]], stage: int
-) -> tuple[StageModule, list[str]]:
-    """This stage's module and the names (in it) of weights it shares with another stage (tied embeddings)."""
-    stage_of = {name: s for s, names in enumerate(stage_units) for name in names}
-    owners: dict[int, set[int]] = {}
-    first_name: dict[int, str] = {}  # a weight's global name where it first appears: the same on every stage
-    for name, unit in units:
-        for pname, p in unit.named_parameters(remove_duplicate=False):
-            owners.setdefault(id(p), set()).add(stage_of[name])
-            first_name.setdefault(id(p), f"{name}.{pname}")
-    last = len(stage_units) - 1
-    for pid, stages in owners.items():
-        if len(stages) > 1 and stages != {0, last}:
-            raise ValueError(
-                f"The weight {first_name[pid]!r} is shared by pipeline stages {sorted(stages)}; only the first and the "
-                f"last stage may share weights (tied embeddings). Choose a split that keeps it on one stage "
-                f"(`partition`) or untie it."
-            )
-    stage_module = StageModule([(n, u) for n, u in units if stage_of[n] == stage])
-    # both ends list their tied weights in one order (the reductions pair them by position)
-    tied = sorted((n for n, p in stage_module.named_parameters() if len(owners[id(p)]) > 1),
-                  key=lambda n: first_name[id(stage_module.get_parameter(n))])
-    return stage_module, tied
-
-
-def average_over_replicas(grads: list[torch.Tensor], groups: "PipelineGroups") -> None:
+def average_over_replicas(grads: list[torch.Tensor], groups: PipelineGroups) -> None:
     """Average ``grads`` in place over the data-parallel replicas: one reduction per dtype, not per tensor."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for x in grads:
@@ -108,36 +46,6 @@ def average_over_replicas(grads: list[torch.Tensor], groups: "PipelineGroups") -
     for flat, same in flats:
         for x, part in zip(same, flat.split([x.numel() for x in same])):
             x.copy_(part.view_as(x))
-
-
-@dataclass
-class PipelineGroups:
-    """Process groups and ranks a stage talks to (built by the strategy; all ``None`` on one process)."""
-
-    stage: int = 0
-    num_stages: int = 1
-    prev_rank: int | None = None
-    next_rank: int | None = None
-    p2p: object = None  # group for sends/receives along the pipeline
-    pipeline: object = None  # collective group of this pipeline's stages (grad norm)
-    data_parallel: object = None  # same stage across replicas (gradient averaging)
-    data_parallel_size: int = 1
-    tied: object = None  # first and last stage, when they share weights
-    metrics: object = None  # every rank (loss reporting)
-    stage_of_rank: Callable[[int], int] = lambda r: r
-    rank: int = 0  # global rank of this process
-    world_size: int = 1
-
-    def members(self, kind: str) -> list[int]:
-        """Global ranks of this process's ``pipeline``, ``tied``, ``data_parallel`` or ``metrics`` group."""
-        first = self.rank - self.stage
-        if kind == "pipeline":
-            return [first + s for s in range(self.num_stages)]
-        if kind == "tied":
-            return [first, first + self.num_stages - 1]
-        if kind == "data_parallel":
-            return [r * self.num_stages + self.stage for r in range(self.data_parallel_size)]
-        return list(range(self.world_size))
 
 
 def wait_collectives(works, what: str, groups: PipelineGroups | None = None, kind: str = "metrics") -> None:
@@ -175,8 +83,8 @@ class PipelineRuntime:
     Args:
         stage_module: this stage's units.
         optimizer: optimizer over the stage's parameters (the module's ``nn.Parameter`` objects).
-        schedule: ``"2bw"``, ``"1f1b"`` or ``"gpipe"``.
-        num_microbatches: micro-batches per batch ``m``.
+        schedule: ``"2bw"``, ``"1f1b"`` or ``"gpipe"`` (what each means: :data:`~lightning_async.pipeline.schedules.SPECS`).
+        n_microbatches: micro-batches per batch ``m``.
         split_batch: ``batch -> (inputs, targets)``; every rank gets the same batch.
         loss_fn: ``(outputs, targets) -> scalar mean loss`` (last stage).
         groups: ranks and process groups; defaults to a single process.
@@ -198,7 +106,7 @@ class PipelineRuntime:
         stage_module: StageModule,
         optimizer: torch.optim.Optimizer,
         schedule: str,
-        num_microbatches: int,
+        n_microbatches: int,
         split_batch: Callable,
         loss_fn: Callable,
         groups: PipelineGroups | None = None,
@@ -212,18 +120,17 @@ class PipelineRuntime:
         activation_checkpointing: bool = False,
     ) -> None:
         self.groups = groups or PipelineGroups()
-        schedules.validate(schedule, self.groups.num_stages, num_microbatches)
-        if correction is not None and correction.enabled and schedule != "2bw":
-            raise ValueError(
-                f"The {correction.method!r} correction corrects the one-step delay of schedule '2bw'; schedule "
-                f"{schedule!r} has no delay. Use strategy='async_pipe' or remove the correction."
-            )
+        schedules.validate(schedule, self.groups.num_stages, n_microbatches)
+        self.spec = schedules.spec(schedule)
+        if correction is not None and correction.enabled:
+            self.spec.require_delay(f"The {correction.method!r} correction")
         if correction is not None and correction.enabled and not correction.pipeline_supported:
             raise ValueError(
                 f"The {correction.method!r} correction changes the weights the forward reads, which needs a third "
                 "weight version per stage; the 2BW runtime keeps two. Study it on one device (DelaySimulation)."
             )
-        self.module, self.optimizer, self.schedule, self.m = stage_module, optimizer, schedule, num_microbatches
+        self.module, self.optimizer, self.schedule = stage_module, optimizer, schedule
+        self.n_microbatches = n_microbatches
         self.split_batch, self.loss_fn = split_batch, loss_fn
         self.clip = gradient_clip_val or None
         self.correction = correction
@@ -243,8 +150,7 @@ class PipelineRuntime:
             g.prev_rank, g.next_rank, g.p2p, self.device, g.stage_of_rank,
             name=f"pipeline stage {g.stage}" + (f" (last unit {last_unit!r})" if last_unit else ""),
         )
-        versions = 2 if schedule == "2bw" else 1
-        self.slots = [[p.detach().clone().requires_grad_(True) for p in self.params] for _ in range(versions)]
+        self.slots = [[p.detach().clone().requires_grad_(True) for p in self.params] for _ in range(self.spec.weight_versions)]
         for p, t in zip(self.params, self.slots[-1]):
             p.data = t.data  # the module's parameters always show the newest weights
         self.batches_done = 0  # training calls finished
@@ -288,7 +194,7 @@ class PipelineRuntime:
         """Backward of micro-batch ``mb``; the gradients of its received leaves (``None`` on the first stage)."""
         inputs, outputs = self._inflight.pop(mb)
         if self.is_last:
-            (outputs[0] / self.m).backward()
+            (outputs[0] / self.n_microbatches).backward()
         elif outputs:
             torch.autograd.backward(outputs, grads)
         if self.is_first:
@@ -297,7 +203,7 @@ class PipelineRuntime:
 
     def _record_loss(self, batch: int, loss: torch.Tensor) -> None:
         self._losses.append(loss.detach().float())
-        if len(self._losses) == self.m:
+        if len(self._losses) == self.n_microbatches:
             self._reduce_loss(batch, torch.stack(self._losses).mean())
             self._losses = []
 
@@ -348,7 +254,7 @@ class PipelineRuntime:
                     pending.works.append(dist.all_reduce(sq, group=g.pipeline, async_op=True))
 
         self._pending[batch] = pending
-        if self.is_last and self.schedule == "2bw" and not self.is_first:
+        if self.is_last and self.spec.delayed and not self.is_first:
             # Under 2BW the last stage finishes batch b inside call b, but the first stage joins these reductions
             # only in call b+1. Started now, an NCCL reduction would sit on this GPU across the step boundary, and
             # any device-wide sync there (torch.cuda.synchronize, empty_cache, an allocator retry) would wait for
@@ -394,9 +300,9 @@ class PipelineRuntime:
     # ---- calls ------------------------------------------------------------------------------------
     def _microbatches(self, inputs, targets) -> tuple[list, list]:
         size = rows(inputs)
-        if size % self.m:
+        if size % self.n_microbatches:
             raise ValueError(
-                f"Batch size {size} is not divisible by n_microbatches={self.m}; "
+                f"Batch size {size} is not divisible by n_microbatches={self.n_microbatches}; "
                 "choose a batch size that is a multiple of n_microbatches."
             )
         if rows(targets) != size:
@@ -404,7 +310,7 @@ class PipelineRuntime:
                 f"The batch's inputs have {size} rows but its targets {rows(targets)}; pipeline_split_batch must "
                 "return inputs and targets of the same batch size."
             )
-        return split_rows(inputs, self.m), split_rows(targets, self.m)
+        return split_rows(inputs, self.n_microbatches), split_rows(targets, self.n_microbatches)
 
     def _run(self, actions: Sequence[schedules.Action], training: bool = True) -> None:
         try:
@@ -420,12 +326,12 @@ class PipelineRuntime:
             self._apply_ready_updates()
             if action.kind == UPDATE:
                 self._begin_update(action.batch)
-                if self.schedule != "2bw":
+                if self.spec.flushes:
                     self._apply_update(action.batch)
                 else:
                     self._apply_ready_updates()
                 continue
-            i = action.microbatch % self.m
+            i = action.microbatch % self.n_microbatches
             inputs, targets = self._batch_data[action.batch]
             needs = self._input_kind(nxt)  # what the next action receives, if anything
             if action.kind == FORWARD:
@@ -469,7 +375,7 @@ class PipelineRuntime:
         self._hyper[b] = scheduled_values(self.optimizer)  # the update of batch b uses batch b's lr, momentum...
         for old in [k for k in self._pending if k <= b - 2]:
             self._apply_update(old)
-        actions = schedules.call_actions(self.schedule, self.groups.stage, self.groups.num_stages, self.m, b, self.fresh)
+        actions = schedules.call_actions(self.schedule, self.groups.stage, self.groups.num_stages, self.n_microbatches, b, self.fresh)
         self._run(actions)
         if not self.is_last:
             self._reduce_loss(b, None)  # join the last stage's loss reduction for this batch
@@ -492,7 +398,7 @@ class PipelineRuntime:
 
     def _drain(self) -> None:
         last = self.batches_done - 1
-        self._run(schedules.drain_actions(self.schedule, self.groups.stage, self.groups.num_stages, self.m, last))
+        self._run(schedules.drain_actions(self.schedule, self.groups.stage, self.groups.num_stages, self.n_microbatches, last))
         for b in sorted(self._pending):
             self._apply_update(b)
         self._batch_data.clear()
@@ -508,7 +414,7 @@ class PipelineRuntime:
         self.drain()
         inputs, targets = self.split_batch(batch_data)
         rows(inputs), rows(targets)  # every leaf has the batch dimension first
-        pieces = zip(split_rows(inputs, self.m, even=False), split_rows(targets, self.m, even=False))
+        pieces = zip(split_rows(inputs, self.n_microbatches, even=False), split_rows(targets, self.n_microbatches, even=False))
         chunks = [(x, y) for x, y in pieces if rows(x)]
         t = self.transport
         total, count = torch.zeros((), device=self.device), 0

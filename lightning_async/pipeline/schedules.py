@@ -2,7 +2,7 @@
 
 An :class:`Action` is ``F`` (forward of one micro-batch), ``B`` (its backward) or ``U`` (the optimizer
 update after the last backward of a batch). Micro-batches carry *global* indices
-``batch * num_microbatches + i``, so a schedule can span batch boundaries.
+``batch * n_microbatches + i``, so a schedule can span batch boundaries.
 
 * ``gpipe``: per batch, all forwards then all backwards, then the update (flush every batch).
 * ``1f1b``: per batch, warmup forwards, one-forward-one-backward, cooldown, update (flush every batch).
@@ -37,6 +37,8 @@ class ScheduleSpec:
         flushes: the pipeline is empty at every batch boundary.
         loss_lag: a training step can report the loss of the batch this many steps back without waiting
             (2BW: the last stage finishes batch ``b`` while the first stage already runs ``b + 1``).
+        one_forward_one_backward: forwards and backwards interleave (1F1B order), which needs at least as many
+            micro-batches per batch as stages.
     """
 
     name: str
@@ -44,6 +46,7 @@ class ScheduleSpec:
     weight_versions: int
     flushes: bool
     loss_lag: int
+    one_forward_one_backward: bool
 
     def require_delay(self, what: str) -> None:
         """Refuse ``what`` (a correction, EF) on a schedule without a delay, naming the fix."""
@@ -55,9 +58,9 @@ class ScheduleSpec:
 
 
 SPECS = {
-    "gpipe": ScheduleSpec("gpipe", delayed=False, weight_versions=1, flushes=True, loss_lag=0),
-    "1f1b": ScheduleSpec("1f1b", delayed=False, weight_versions=1, flushes=True, loss_lag=0),
-    "2bw": ScheduleSpec("2bw", delayed=True, weight_versions=2, flushes=False, loss_lag=1),
+    "gpipe": ScheduleSpec("gpipe", delayed=False, weight_versions=1, flushes=True, loss_lag=0, one_forward_one_backward=False),
+    "1f1b": ScheduleSpec("1f1b", delayed=False, weight_versions=1, flushes=True, loss_lag=0, one_forward_one_backward=True),
+    "2bw": ScheduleSpec("2bw", delayed=True, weight_versions=2, flushes=False, loss_lag=1, one_forward_one_backward=True),
 }
 
 
@@ -81,18 +84,17 @@ class Action:
         return f"{self.kind}{self.microbatch}" if self.kind != UPDATE else f"U(b{self.batch})"
 
 
-def validate(schedule: str, num_stages: int, num_microbatches: int) -> None:
+def validate(schedule: str, num_stages: int, n_microbatches: int) -> None:
     """Raise ``ValueError`` (with the fix) for settings no schedule can run."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"Unknown pipeline schedule {schedule!r}. Choose one of: {', '.join(SCHEDULES)}.")
+    kind = spec(schedule)
     if num_stages < 1:
         raise ValueError(f"num_stages must be >= 1, got {num_stages}.")
-    if num_microbatches < 1:
-        raise ValueError(f"n_microbatches must be >= 1, got {num_microbatches}.")
-    if schedule in ("2bw", "1f1b") and num_microbatches < num_stages:
+    if n_microbatches < 1:
+        raise ValueError(f"n_microbatches must be >= 1, got {n_microbatches}.")
+    if kind.one_forward_one_backward and n_microbatches < num_stages:
         raise ValueError(
             f"schedule {schedule!r} needs at least as many micro-batches per batch as pipeline stages "
-            f"(n_microbatches={num_microbatches} < {num_stages} stages). Raise n_microbatches to >= {num_stages} "
+            f"(n_microbatches={n_microbatches} < {num_stages} stages). Raise n_microbatches to >= {num_stages} "
             f"or use fewer stages."
         )
 
@@ -117,9 +119,9 @@ def _flushed_batch(schedule: str, stage: int, p: int, m: int, batch: int) -> lis
     return actions + [Action(UPDATE, first + m - 1, batch)]
 
 
-def stream_2bw(stage: int, num_stages: int, num_microbatches: int, first_batch: int = 0) -> Iterator[Action]:
+def stream_2bw(stage: int, num_stages: int, n_microbatches: int, first_batch: int = 0) -> Iterator[Action]:
     """The endless 2BW action stream of ``stage``, starting with an empty pipeline at ``first_batch``."""
-    m, w = num_microbatches, warmup_forwards(stage, num_stages)
+    m, w = n_microbatches, warmup_forwards(stage, num_stages)
     start = first_batch * m
     for i in range(w):
         yield Action(FORWARD, start + i, (start + i) // m)
@@ -144,7 +146,7 @@ def _pairs(stage: int, num_stages: int, m: int, start: int, stop: int) -> list[A
 
 
 def call_actions(
-    schedule: str, stage: int, num_stages: int, num_microbatches: int, batch: int, fresh: bool = True
+    schedule: str, stage: int, num_stages: int, n_microbatches: int, batch: int, fresh: bool = True
 ) -> list[Action]:
     """Actions of the training call for ``batch``.
 
@@ -152,14 +154,14 @@ def call_actions(
     The result equals the slice of :func:`stream_2bw` between the first forwards of ``batch`` and
     ``batch + 1``.
     """
-    validate(schedule, num_stages, num_microbatches)
+    validate(schedule, num_stages, n_microbatches)
     if batch < 0:
         raise ValueError(f"batch must be >= 0, got {batch}.")
     if schedule == "2bw" and batch == 0 and not fresh:
         raise ValueError("batch 0 always starts with an empty pipeline: use fresh=True.")
     if schedule != "2bw":
-        return _flushed_batch(schedule, stage, num_stages, num_microbatches, batch)
-    m, w = num_microbatches, warmup_forwards(stage, num_stages)
+        return _flushed_batch(schedule, stage, num_stages, n_microbatches, batch)
+    m, w = n_microbatches, warmup_forwards(stage, num_stages)
     begin, end = batch * m, (batch + 1) * m
     if fresh:
         warmup = [Action(FORWARD, begin + i, batch) for i in range(w)]
@@ -167,24 +169,24 @@ def call_actions(
     return _pairs(stage, num_stages, m, begin - w, end - w)
 
 
-def drain_actions(schedule: str, stage: int, num_stages: int, num_microbatches: int, batch: int) -> list[Action]:
+def drain_actions(schedule: str, stage: int, num_stages: int, n_microbatches: int, batch: int) -> list[Action]:
     """Actions that empty the pipeline after the call for ``batch`` (empty for flushing schedules)."""
     if batch < 0:
         raise ValueError(f"batch must be >= 0, got {batch} (nothing to drain before the first batch).")
     if schedule != "2bw":
         return []
-    m, w = num_microbatches, warmup_forwards(stage, num_stages)
+    m, w = n_microbatches, warmup_forwards(stage, num_stages)
     end = (batch + 1) * m
     if w == 0:
         return []  # the last stage finishes each batch inside its call
     return [Action(BACKWARD, j, batch) for j in range(end - w, end)] + [Action(UPDATE, end - 1, batch)]
 
 
-def run_actions(schedule: str, stage: int, num_stages: int, num_microbatches: int, num_batches: int) -> list[Action]:
+def run_actions(schedule: str, stage: int, num_stages: int, n_microbatches: int, num_batches: int) -> list[Action]:
     """All actions of ``num_batches`` training calls followed by a drain (for tests and the simulator)."""
     if num_batches < 1:
         raise ValueError(f"num_batches must be >= 1, got {num_batches}.")
     actions: list[Action] = []
     for b in range(num_batches):
-        actions += call_actions(schedule, stage, num_stages, num_microbatches, b, fresh=b == 0)
-    return actions + drain_actions(schedule, stage, num_stages, num_microbatches, num_batches - 1)
+        actions += call_actions(schedule, stage, num_stages, n_microbatches, b, fresh=b == 0)
+    return actions + drain_actions(schedule, stage, num_stages, n_microbatches, num_batches - 1)

@@ -1,11 +1,12 @@
-"""``lightning-async probe``: does one-step delay hurt *my* recipe, and does EF fix it?
+"""``lightning-async probe``: does one-step delay hurt *my* recipe, and which correction fixes it best?
 
-Runs three short single-device trainings of the user's recipe(s), sync, delayed and
-delayed+EF, with the same seed(s), then prints the gap table and a plain-language verdict::
+Runs short single-device trainings of the user's recipe(s), sync, delayed and delayed + each correction
+asked for (EF by default; ``--corrections all`` for the whole family), with the same seed(s), then prints the
+gap table, a plain-language verdict and the recommended correction with its measured recovery::
 
-    lightning-async probe --config my_model.yaml --config my_data.yaml --steps 200 --seeds 3
+    lightning-async probe --config my_model.yaml --config my_data.yaml --steps 200 --seeds 3 --corrections all
 
-It is a small :mod:`lightning_async.study` (same runner, same skip/resume bookkeeping, runs under
+It is a small :mod:`lightning_async.tools.study` (same runner, same skip/resume bookkeeping, runs under
 ``<output>/runs``) read back with :mod:`lightning_async.compare`'s reader. A recipe that trains with a
 pipeline strategy is refused: the delay is simulated on one device, and the pipeline would be the
 "sync" leg.
@@ -23,10 +24,37 @@ from pathlib import Path
 import yaml
 
 from lightning_async.compare import ASYNC, SYNC, CompareError, Row, compare
+from lightning_async.compare.ranking import BestCorrection, best_corrections
+from lightning_async.identity import KNOWN_CORRECTIONS
 from lightning_async.recipes_index import RecipeNotFound, resolve_config
-from lightning_async.study import Runner, Study, StudyError, find_recipes_dir, parse_set, run_study
+from lightning_async.tools.study import Runner, Study, StudyError, find_recipes_dir, parse_set, run_study
 
 PROBE_MODES = ["sync", "delayed", "delayed-ef"]
+#: the corrections ``--corrections all`` tries: the whole family, EF first
+ALL_CORRECTIONS = KNOWN_CORRECTIONS
+
+
+def probe_modes(corrections: list[str]) -> list[str]:
+    """sync, delayed, then ``delayed-<c>`` for each correction (``delayed-ef`` is EF)."""
+    chosen = list(ALL_CORRECTIONS) if corrections == ["all"] else list(dict.fromkeys(corrections))
+    unknown = [c for c in chosen if c not in ALL_CORRECTIONS]
+    if unknown or not chosen:
+        raise StudyError(f"--corrections {' '.join(corrections)}: choose from {', '.join(ALL_CORRECTIONS)} or all")
+    return ["sync", "delayed"] + [f"delayed-{c}" for c in chosen]
+
+
+def recommendation(best: BestCorrection | None) -> str:
+    """One sentence: the correction to use and what it recovered (or that none helped)."""
+    if best is None:
+        return "No correction could be ranked (a mode is missing or the delay costs nothing measurable)."
+    spread = f" ± {100 * best.std:.0f}%" if best.std is not None else ""
+    seeds = f" over {best.n} seed{'s' if best.n != 1 else ''}" if best.n else ""
+    if best.mean <= 0:
+        return (f"Recommendation: no correction: the best one tried, {best.correction}, recovers {100 * best.mean:.0f}%"
+                f"{spread}{seeds} of the gap (it does not help this recipe).")
+    return (f"Recommendation: {best.correction}, which recovers {100 * best.mean:.0f}%{spread} of the delay's gap"
+            f"{seeds} (`--config modes/delayed --config corrections/{best.correction}`, or under the pipeline "
+            f"`--config pipeline/async --config corrections/{best.correction}`).")
 
 
 @dataclass
@@ -134,6 +162,9 @@ def build_parser(prog: str = "lightning-async probe") -> argparse.ArgumentParser
     parser.add_argument("--seeds", type=int, default=1, help="number of seeds (default 1; 3 gives a spread)")
     parser.add_argument("--seed", type=int, default=0, help="first seed (default 0)")
     parser.add_argument("--ef-strength", type=float, help="EF strength of the delayed-ef run (default: the recipe's)")
+    parser.add_argument("--corrections", nargs="+", default=["ef"], metavar="NAME",
+                        help=f"corrections to try next to the plain delay: {', '.join(ALL_CORRECTIONS)}, or all "
+                        "(default: ef)")
     parser.add_argument("--output", help="where runs and the report go (default probes/<recipe>-<steps>steps)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="CLI override (repeatable)")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
@@ -214,7 +245,7 @@ def probe_study(args: argparse.Namespace) -> Study:
         name=f"probe-{stem}",
         base=list(args.config),
         optimizers=[None],
-        modes=list(PROBE_MODES),
+        modes=probe_modes(args.corrections),
         seeds=list(range(args.seed, args.seed + args.seeds)),
         max_steps=args.steps,
         output=output,
@@ -250,6 +281,10 @@ def probe_main(argv: list[str] | None = None, *, runner: Runner | None = None) -
         v = verdict(row)
         prefix = f"{row.label}: " if len(report.rows) > 1 else ""
         lines += [prefix + v.text, confidence_statement(v)]
+    best = best_corrections(report.rows)
+    for optimizer in dict.fromkeys(row.optimizer for row in report.rows):
+        prefix = f"{optimizer}: " if len(best) > 1 else ""
+        lines.append(prefix + recommendation(best.get(optimizer)))
     text = "\n".join(lines)
     print("\n" + text)
     (study.compare_dir / "verdict.md").write_text("# Probe verdict\n\n" + text.replace("\n", "\n\n") + "\n")

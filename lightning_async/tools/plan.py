@@ -1,6 +1,6 @@
-"""``lightning-async simulate``: a planning table for pipeline depth, micro-batch count and schedule.
+"""``lightning-async plan``: a planning table for pipeline depth, micro-batch count and schedule.
 
-For each stage count ``p`` and micro-batch count ``m`` the simulator (:mod:`lightning_async.pipeline.simulator`)
+For each stage count ``p`` and micro-batch count ``m`` the timing model (:mod:`lightning_async.pipeline.timing`)
 runs 1F1B and 2BW and reports the steady per-batch time, the bubble, the throughput gain of 2BW over 1F1B and
 the extra memory 2BW (a second weight version) and 2BW with Error Feedback (one more parameter-sized buffer)
 cost on the most loaded stage.
@@ -13,12 +13,12 @@ counted. With ``--tflops`` (and with no option at all: SmolLM2-135M, sequence 20
 stage costs are nominal instead: FLOP counts at that sustained rate, parameters counted exactly, activations
 estimated, nothing measured.
 
-Usage::
+``lightning-async simulate`` is the old name: it says so on stderr and runs the same. Usage::
 
-    lightning-async simulate
-    lightning-async simulate --forward-ms 10 --backward-ms 20
-    lightning-async simulate --model smollm2-360m --tflops 300 --seq-len 4096
-    lightning-async simulate --model smollm2-135m --seq-len 2048 --device cpu --json plans/plan.json
+    lightning-async plan
+    lightning-async plan --forward-ms 10 --backward-ms 20
+    lightning-async plan --model smollm2-360m --tflops 300 --seq-len 4096
+    lightning-async plan --model smollm2-135m --seq-len 2048 --device cpu --json plans/plan.json
 """
 
 from __future__ import annotations
@@ -26,21 +26,26 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from lightning_async.pipeline.simulator import memory_model, simulate
+from lightning_async.pipeline.measure import measure_model
+from lightning_async.pipeline.timing import memory_model, simulate
+from lightning_async.tools.stage_costs import (
+    NOMINAL_DTYPE,
+    NOMINAL_MODEL,
+    NOMINAL_TFLOPS,
+    nominal_model,
+    stage_costs_from_measurement,
+)
 
 DEFAULT_STAGES = (4, 8, 16, 32, 64)
 DEFAULT_MULTIPLIERS = (1, 2, 4)
-#: the plan printed when no stage costs are given
-NOMINAL_MODEL, NOMINAL_TFLOPS, NOMINAL_DTYPE = "smollm2-135m", 100.0, "bfloat16"
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="lightning-async simulate",
+        prog="lightning-async plan",
         description="Planning table: 1F1B vs PipeDream-2BW per-batch time, bubble and memory per pipeline shape.",
     )
     ap.add_argument("--stages", type=int, nargs="+", default=list(DEFAULT_STAGES), help="stage counts p")
@@ -88,274 +93,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--json", dest="json_path", help="write the table and the inputs as JSON")
     return ap
-
-
-# ------------------------------------------------------------------------------------------------ measurement
-
-
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class SavedTensorBytes:
-    """Context manager counting the bytes autograd saves for backward (storages of ``params`` excluded)."""
-
-    def __init__(self, params=()) -> None:
-        import torch
-
-        self._param_ptrs = {p.untyped_storage().data_ptr() for p in params}
-        self._saved: dict[int, int] = {}
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-
-    def _pack(self, t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in self._param_ptrs:
-            self._saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    @property
-    def total(self) -> int:
-        return sum(self._saved.values())
-
-    def __enter__(self) -> SavedTensorBytes:
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._hooks.__exit__(*exc)
-
-
-def _time_unit(fn, device, reps: int, count_activations: bool = False, params=()) -> tuple[float, float, int]:
-    """Fastest forward and backward seconds of ``fn() -> backward_closure`` over ``reps`` timed runs (after one
-    warm-up run, which also counts the activation bytes saved for backward). The minimum, not the median: on a
-    shared machine, contention only ever adds time."""
-    counter = SavedTensorBytes(params)
-    fwd, bwd = [], []
-    for i in range(reps + 1):
-        _sync(device)
-        t0 = time.perf_counter()
-        if i == 0 and count_activations:
-            with counter:
-                backward = fn()
-        else:
-            backward = fn()
-        _sync(device)
-        t1 = time.perf_counter()
-        backward()
-        _sync(device)
-        t2 = time.perf_counter()
-        if i > 0:
-            fwd.append(t1 - t0)
-            bwd.append(t2 - t1)
-        for p in params:
-            p.grad = None
-    return min(fwd), min(bwd), counter.total
-
-
-def measure_model(
-    name: str,
-    seq_len: int,
-    micro_batch_size: int = 1,
-    device: str = "cpu",
-    dtype: str = "float32",
-    reps: int = 3,
-    head_tokens: int | None = None,
-    vocab_size: int | None = None,
-) -> dict:
-    """Time and size one embedding, one decoder block and the LM head (with the loss) of ``name``.
-
-    Returns per-unit ``forward_s``, ``backward_s``, ``params`` (elements), ``param_bytes`` and ``activation_bytes``
-    (saved for backward, per micro-batch) for ``embed``, ``block`` and ``head``, plus ``boundary_bytes`` (the
-    activation sent between stages) and the measurement settings.
-    """
-    import torch
-    import torch.nn.functional as F
-
-    from lightning_async.models import SmolLM2, model_config
-
-    cfg = model_config(name, vocab_size=vocab_size)
-    dev = torch.device(device)
-    dt = getattr(torch, dtype)
-    t_build = time.perf_counter()
-    with dev:
-        model = SmolLM2(cfg).to(dt)
-    t_build = time.perf_counter() - t_build
-    b, t, h, v = micro_batch_size, seq_len, cfg.hidden_size, cfg.vocab_size
-    if head_tokens is None:
-        head_tokens = t if dev.type == "cuda" else min(t, 256)
-    head_tokens = max(1, min(head_tokens, t))
-    head_scale = t / head_tokens
-    g = torch.Generator(device=dev).manual_seed(0)
-    ids = torch.randint(0, v, (b, t), device=dev, generator=g)
-    x = torch.randn(b, t, h, device=dev, dtype=dt, generator=g)
-    xh = torch.randn(b, head_tokens, h, device=dev, dtype=dt, generator=g)
-    targets = torch.randint(0, v, (b, head_tokens), device=dev, generator=g)
-
-    def embed_step():
-        out = model.embed(ids)
-        grad = torch.ones_like(out)
-        return lambda: out.backward(grad)
-
-    block = model.blocks[0]
-
-    def block_step():
-        inp = x.detach().requires_grad_()
-        out = block(inp)
-        grad = torch.ones_like(out)
-        return lambda: out.backward(grad)
-
-    def head_step():
-        inp = xh.detach().requires_grad_()
-        loss = F.cross_entropy(model.head(inp).float().reshape(-1, v), targets.reshape(-1))
-        return loss.backward
-
-    units = {}
-    for unit, module, fn in (("embed", model.embed, embed_step), ("block", block, block_step), ("head", model.head, head_step)):
-        params = list(module.parameters())
-        tf, tb, act = _time_unit(fn, dev, reps, count_activations=True, params=params)
-        scale = head_scale if unit == "head" else 1.0
-        numel = sum(p.numel() for p in params)  # the head counts the tied weight: each stage keeps its own copy
-        units[unit] = {
-            "forward_s": tf * scale,
-            "backward_s": tb * scale,
-            "params": numel,
-            "param_bytes": numel * torch.empty((), dtype=dt).element_size(),
-            "activation_bytes": int(act * scale),
-        }
-    elem = torch.empty((), dtype=dt).element_size()
-    return {
-        "model": name,
-        "num_layers": cfg.num_layers,
-        "hidden_size": h,
-        "vocab_size": v,
-        "seq_len": t,
-        "micro_batch_size": b,
-        "device": str(dev),
-        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-        "threads": torch.get_num_threads(),
-        "dtype": dtype,
-        "reps": reps,
-        "head_tokens": head_tokens,
-        "build_s": t_build,
-        "units": units,
-        "boundary_bytes": b * t * h * elem,
-        "element_bytes": elem,
-    }
-
-
-def nominal_model(
-    name: str,
-    seq_len: int,
-    micro_batch_size: int = 1,
-    dtype: str = NOMINAL_DTYPE,
-    tflops: float = NOMINAL_TFLOPS,
-    vocab_size: int | None = None,
-) -> dict:
-    """Nominal costs of ``name`` in :func:`measure_model`'s format, with nothing run.
-
-    Parameters are counted exactly (the model is built on the meta device). Forward time is FLOPs at ``tflops``
-    sustained: ``2 x parameters`` per token plus ``4 x seq_len x hidden`` of attention per token and block (the
-    PaLM count ``CausalLM.flops_per_token`` uses), the embedding is free; backward is twice the forward.
-    Activation bytes are an estimate of what one block saves for backward: per token, 9 hidden-sized, 4
-    key/value-sized and 4 FFN-sized tensors (norm inputs and outputs, q/k/v and their rotations, attention
-    output, gate/up/SiLU/product); the head saves its input, the logits and their fp32 log-probabilities.
-    """
-    import torch
-
-    from lightning_async.models import SmolLM2, model_config
-
-    if tflops <= 0:
-        raise ValueError(f"--tflops must be > 0, got {tflops:g}")
-    cfg = model_config(name, vocab_size=vocab_size)
-    with torch.device("meta"):
-        model = SmolLM2(cfg)
-    elem = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-    tokens, h, v = micro_batch_size * seq_len, cfg.hidden_size, cfg.vocab_size
-    kv = cfg.num_kv_heads * cfg.head_dim
-    flops = {"embed": 0.0}
-    params = {unit: sum(p.numel() for p in module.parameters())
-              for unit, module in (("embed", model.embed), ("block", model.blocks[0]), ("head", model.head))}
-    flops["block"] = tokens * (2 * params["block"] + 4 * seq_len * h)
-    flops["head"] = tokens * 2 * params["head"]
-    activations = {
-        "embed": tokens * 8,  # the token ids
-        "block": tokens * (9 * h + 4 * kv + 4 * cfg.ffn_size) * elem,
-        "head": tokens * (h * elem + (elem + 4) * v),
-    }
-    units = {
-        unit: {
-            "forward_s": flops[unit] / (tflops * 1e12),
-            "backward_s": 2 * flops[unit] / (tflops * 1e12),
-            "params": params[unit],
-            "param_bytes": params[unit] * elem,
-            "activation_bytes": activations[unit],
-        }
-        for unit in ("embed", "block", "head")
-    }
-    return {
-        "model": name, "num_layers": cfg.num_layers, "hidden_size": h, "vocab_size": v, "seq_len": seq_len,
-        "micro_batch_size": micro_batch_size, "device": "nominal", "device_name": f"nominal {tflops:g} TFLOP/s",
-        "tflops": tflops, "dtype": dtype, "head_tokens": seq_len, "units": units,
-        "boundary_bytes": tokens * h * elem, "element_bytes": elem,
-    }
-
-
-def split_layers(num_layers: int, p: int) -> list[int]:
-    """Layers per stage, as even as possible. Extra layers go to the middle stages first, then the first stage,
-    then the last (the first holds the embedding, the last the LM head)."""
-    if num_layers < p:
-        raise ValueError(f"{num_layers} layers cannot fill {p} stages (each stage needs at least one layer)")
-    counts = [num_layers // p] * p
-    order = list(range(1, p - 1)) + [0] + ([p - 1] if p > 1 else [])
-    for s in order[: num_layers % p]:
-        counts[s] += 1
-    return counts
-
-
-def balanced_layers(num_layers: int, p: int, block_cost: float, first_extra: float, last_extra: float) -> list[int]:
-    """Layers per stage (at least one each) minimising the slowest stage when the first stage also pays
-    ``first_extra`` (the embedding) and the last ``last_extra`` (the LM head)."""
-    if num_layers < p:
-        raise ValueError(f"{num_layers} layers cannot fill {p} stages (each stage needs at least one layer)")
-    extra = [0.0] * p
-    extra[0] += first_extra
-    extra[-1] += last_extra
-    block_cost = max(block_cost, 1e-12)
-    candidates = sorted({n * block_cost + e for e in extra for n in range(1, num_layers + 1)})
-    for target in candidates:
-        caps = [int((target - extra[s]) / block_cost + 1e-9) for s in range(p)]
-        if min(caps) >= 1 and sum(caps) >= num_layers:
-            break
-    surplus = sum(caps) - num_layers
-    while surplus > 0:  # take layers back from the most loaded stages first
-        s = max((s for s in range(p) if caps[s] > 1), key=lambda s: (caps[s] * block_cost + extra[s], -s))
-        caps[s] -= 1
-        surplus -= 1
-    return caps
-
-
-def stage_costs_from_measurement(meas: dict, p: int, optimizer_states: float, split: str = "even") -> dict:
-    """Per-stage forward/backward seconds and parameter, optimizer and activation bytes for ``p`` stages.
-
-    ``split``: ``even`` (:func:`split_layers`) or ``balanced`` (:func:`balanced_layers` on forward + backward time).
-    """
-    u = meas["units"]
-    if split == "balanced":
-        cost = {k: u[k]["forward_s"] + u[k]["backward_s"] for k in u}
-        layers = balanced_layers(meas["num_layers"], p, cost["block"], cost["embed"], cost["head"])
-    else:
-        layers = split_layers(meas["num_layers"], p)
-    out = {k: [] for k in ("layers", "forward_s", "backward_s", "params", "param_bytes", "optimizer_bytes", "activation_bytes")}
-    for s, n in enumerate(layers):
-        parts = [("block", n)] + ([("embed", 1)] if s == 0 else []) + ([("head", 1)] if s == p - 1 else [])
-        out["layers"].append(n)
-        for key in ("forward_s", "backward_s", "params", "param_bytes", "activation_bytes"):
-            out[key].append(sum(u[unit][key] * k for unit, k in parts))
-        out["optimizer_bytes"].append(int(optimizer_states * 4 * out["params"][-1]))
-    return out
 
 
 # ------------------------------------------------------------------------------------------------------ table
@@ -524,8 +261,8 @@ def _model_costs(args: argparse.Namespace) -> dict:
     return meas
 
 
-def simulate_main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``lightning-async simulate``: 0 table printed, 2 bad input (one ``error:`` line)."""
+def plan_main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``lightning-async plan``: 0 table printed, 2 bad input (one ``error:`` line)."""
     args = build_parser().parse_args(argv)
     problem = argument_error(args)
     if problem is None and args.json_path:
@@ -597,9 +334,11 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def main() -> None:  # pragma: no cover - thin wrapper
-    raise SystemExit(simulate_main())
+def simulate_main(argv: Sequence[str] | None = None) -> int:
+    """``lightning-async simulate``, the old name of ``plan``: one line on stderr, then :func:`plan_main`."""
+    print("`simulate` is now `plan`", file=sys.stderr)
+    return plan_main(argv)
 
 
 if __name__ == "__main__":  # pragma: no cover
-    main()
+    sys.exit(plan_main())

@@ -1,4 +1,5 @@
-"""The pipeline simulator against closed forms, and the `simulate` planning command."""
+"""The timing model of the schedules (lightning_async.pipeline.timing) against closed forms, and the
+`plan` command."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import json
 
 import pytest
 
-from lightning_async.pipeline.simulator import DeadlockError, memory_model, predict, render_timeline, simulate, simulate_lists
+from lightning_async.pipeline.timing import DeadlockError, memory_model, predict, render_timeline, simulate, simulate_lists
 from lightning_async.pipeline.schedules import Action
 
 GRID = [(1, 1), (1, 3), (2, 2), (3, 5), (4, 4), (4, 8), (4, 16), (8, 8), (8, 24), (16, 32)]
@@ -179,11 +180,11 @@ def test_timeline_rendering():
     assert "." not in segment
 
 
-def test_simulate_command_with_given_costs(tmp_path, capsys):
-    from lightning_async.simulate import simulate_main
+def test_plan_command_with_given_costs(tmp_path, capsys):
+    from lightning_async.tools.plan import plan_main
 
     out = tmp_path / "plan.json"
-    rc = simulate_main(
+    rc = plan_main(
         ["--forward-ms", "10", "--backward-ms", "20", "--stages", "4", "8", "--microbatches", "1", "2", "--json", str(out)]
     )
     assert rc == 0
@@ -199,11 +200,11 @@ def test_simulate_command_with_given_costs(tmp_path, capsys):
     assert r["1f1b"]["bubble"] == pytest.approx(3 / 11)
 
 
-def test_simulate_command_measures_a_tiny_model(tmp_path, capsys):
-    from lightning_async.simulate import simulate_main
+def test_plan_command_measures_a_tiny_model(tmp_path, capsys):
+    from lightning_async.tools.plan import plan_main
 
     out = tmp_path / "plan.json"
-    rc = simulate_main(
+    rc = plan_main(
         ["--model", "tiny", "--seq-len", "64", "--stages", "2", "4", "8", "--reps", "1", "--json", str(out)]
     )
     assert rc == 0
@@ -221,7 +222,7 @@ def test_simulate_command_measures_a_tiny_model(tmp_path, capsys):
 
 
 def test_layer_splits():
-    from lightning_async.simulate import balanced_layers, split_layers
+    from lightning_async.tools.stage_costs import balanced_layers, split_layers
 
     assert split_layers(30, 4) == [7, 8, 8, 7]
     assert split_layers(32, 32) == [1] * 32

@@ -1,0 +1,129 @@
+"""Pipeline checkpoints as the strategy writes and reads them: every rank together, through one object.
+
+The on-disk format (a directory of ``stage-NN.ckpt`` files plus ``meta.json`` written last, renamed into place)
+and its checks live in :mod:`lightning_async.pipeline.checkpoint`; this module is the collective part: which
+rank writes what, the barriers between the steps of a save, and the check on load that every rank's file
+belongs to one checkpoint of this run's split, so all ranks refuse alike before training.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+import torch.distributed as dist
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.trainer.states import TrainerFn
+
+from lightning_async.pipeline import checkpoint as layout
+from lightning_async.pipeline.p2p import PeerFailure
+
+
+class PipelineCheckpoints:
+    """Saves, loads and removes the pipeline checkpoints of ``strategy`` (an ``AsyncPipelineStrategy``)."""
+
+    def __init__(self, strategy) -> None:
+        self.strategy = strategy
+
+    # ---- save -------------------------------------------------------------------------------------
+    def save(self, checkpoint: dict[str, Any], filepath) -> None:
+        """A directory with one file per stage plus ``meta.json``, written atomically.
+
+        The stages write into ``<filepath>.partial``; rank 0 writes ``meta.json`` last and renames the directory
+        into place. A save that fails (a rank died or stopped answering) removes its partial directory on every
+        surviving rank; the previous checkpoints stay whole.
+        """
+        s, filepath = self.strategy, str(filepath)
+        try:
+            if s.global_rank == 0:
+                layout.begin_save(filepath)
+            self._barrier("prepared", filepath)
+            if s.data_parallel_rank == 0:
+                if s.runtime is not None:
+                    checkpoint["pipeline_runtime"] = s.runtime.state_dict()
+                checkpoint["pipeline"] = {"stage": s.stage, **self._split()}
+                s.checkpoint_io.save_checkpoint(checkpoint, layout.stage_file(layout.staging_dir(filepath), s.stage))
+            self._barrier("written", filepath)
+            if s.global_rank == 0:
+                layout.publish(filepath, {**self._split(), "global_step": checkpoint.get("global_step")})
+            self._barrier("published", filepath)
+        except BaseException:
+            layout.discard_save(filepath)
+            raise
+
+    def _split(self) -> dict:
+        s = self.strategy
+        return {"stages": s.pipeline_parallel_size, "units": s.stage_units, "schedule": s.schedule}
+
+    def _barrier(self, what: str, filepath: str) -> None:
+        try:
+            self.strategy.barrier(f"pipeline_checkpoint_{what}")
+        except Exception as err:
+            raise PeerFailure(
+                f"A pipeline rank stopped answering while checkpoint {filepath} was saved ({err}). The partial save is "
+                "removed; earlier checkpoints are whole. Look at the other ranks' logs for the original error."
+            ) from err
+
+    # ---- load -------------------------------------------------------------------------------------
+    def load(self, checkpoint_path) -> dict[str, Any]:
+        """This stage's file of a pipeline checkpoint directory (a collective: every rank checks its file, and all
+        refuse alike, before training, a checkpoint that is incomplete, damaged, mixed or split differently)."""
+        s = self.strategy
+        path = layout.resolve(str(checkpoint_path))
+        checkpoint, identity, problem, meta = None, None, None, None
+        try:
+            meta = layout.read_meta(path)
+            if meta["stages"] != s.pipeline_parallel_size:
+                raise ValueError(
+                    f"Checkpoint {path} has {meta['stages']} stages, this run has {s.pipeline_parallel_size}. "
+                    "Resume with the same pipeline_parallel_size, or consolidate it with lightning_async.pipeline.checkpoint."
+                )
+            checkpoint = layout.load_stage(path, s.stage, lambda file: s.checkpoint_io.load_checkpoint(file, weights_only=False))
+            identity = layout.stage_identity(checkpoint)
+        except ValueError as err:
+            meta, problem = None, str(err)
+        reports = [(s.stage, problem, identity)]
+        if dist.is_initialized() and s.world > 1:
+            reports = [None] * s.world
+            dist.all_gather_object(reports, (s.stage, problem, identity))
+        problems = list(dict.fromkeys(p for _, p, _ in reports if p))
+        if problems:
+            raise ValueError(" ".join(problems))
+        by_stage = {stage: ident for stage, _, ident in reports}
+        problem = layout.mismatch(path, [by_stage[i] for i in range(s.pipeline_parallel_size)], meta)
+        if problem:
+            raise ValueError(problem)
+        self._check_resumable(path, identity)
+        return checkpoint
+
+    def _check_resumable(self, path: str, identity: dict) -> None:
+        """The checkpoint's split (and, to train on, its schedule) must be this run's."""
+        s = self.strategy
+        saved = identity["units"]
+        if saved is not None and [list(u) for u in saved] != [list(u) for u in s.stage_units]:
+            raise ValueError(
+                f"Checkpoint {path} splits the model into stages as {saved}, this run as {s.stage_units} "
+                f"(partition={s.partition!r}). Resume with the checkpoint's split: "
+                f"partition={layout.split_boundaries(saved)!r} (the units where stages 1.. begin)."
+            )
+        fitting = s.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        if fitting and identity["schedule"] not in (None, s.schedule):
+            raise ValueError(
+                f"Checkpoint {path} was written with schedule {identity['schedule']!r}, this run uses {s.schedule!r}: "
+                "resume with the same schedule (evaluation may use any)."
+            )
+
+    # ---- remove -----------------------------------------------------------------------------------
+    def remove(self, filepath) -> None:
+        if self.strategy.global_rank == 0 and os.path.isdir(str(filepath)):
+            shutil.rmtree(str(filepath))
+
+
+class PipelineAwareCheckpointIO(TorchCheckpointIO):
+    """Lightning's checkpoint IO that refuses a pipeline checkpoint directory with a clear message (instead of
+    ``IsADirectoryError``) in runs without the pipeline strategy: ``Trainer(plugins=[PipelineAwareCheckpointIO()])``."""
+
+    def load_checkpoint(self, path, *args, **kwargs):
+        layout.refuse_pipeline_checkpoint(path)
+        return super().load_checkpoint(path, *args, **kwargs)

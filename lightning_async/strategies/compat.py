@@ -1,0 +1,96 @@
+"""Every place the pipeline strategy reaches into Lightning's (or torch's) private internals, one function each.
+
+Written against Lightning 2.6 (:data:`LIGHTNING_TARGET`) and torch 2.9-2.14. ``tests/test_compat.py`` checks that
+each internal still exists with the shape used here, so an upgrade that moves one fails there, by name, instead of
+hanging a pipeline. Nothing else in the package touches these attributes.
+
+Why each one is needed:
+
+* the distributed sampler: with one pipeline replica every stage must read the same batches as a single-device
+  run (Lightning would shard a training loader across the pipeline's ranks);
+* the SIGTERM hooks: Lightning 2.6 broadcasts a SIGTERM flag from rank 0 before every training batch and from its
+  signal handler; under a pipeline both hang (see ``AsyncPipelineStrategy``), so the signalled rank stops alone;
+* the launchers: the configuration must be checked before other ranks start, and the spawn launcher must hand the
+  whole model's state dict (not rank 0's stage) back to the main process;
+* torch's LRScheduler marker: the batch's update is applied later (under 2BW) with the lr recorded now, so the
+  scheduler may step first; it warns unless the optimizer looks stepped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.connectors.signal_connector import _get_sigkill_signal
+
+#: the Lightning minor version these patches are written for
+LIGHTNING_TARGET = "2.6"
+
+ScriptLauncher = _SubprocessScriptLauncher  # re-runs the script: CLI, torchrun, SLURM
+SpawnLauncher = _MultiProcessingLauncher  # spawn: notebooks, tests
+
+
+def keep_training_sampler(trainer) -> None:
+    """Stop Lightning from inserting a shuffling ``DistributedSampler`` into the training loaders."""
+    trainer._accelerator_connector.use_distributed_sampler = False
+
+
+def install_sigterm_hooks(trainer, on_signal: Callable[[int, object], None], at_batch: Callable[[], None]) -> None:
+    """``on_signal(signum, frame)`` runs in Lightning's SIGTERM handler instead of its rank-0 broadcast (registered
+    after setup); ``at_batch()`` replaces the per-batch SIGTERM broadcast of the fit loop."""
+    trainer._signal_connector._sigterm_notifier_fn = on_signal
+    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = at_batch
+
+
+def started_processes(launcher) -> list:
+    """The processes a script launcher started (empty for other launchers)."""
+    return list(getattr(launcher, "procs", None) or [])
+
+
+def kill_started(launcher, signum: int | None = None) -> None:
+    """Send ``signum`` (default SIGKILL) to the processes ``launcher`` started."""
+    if started_processes(launcher):
+        launcher.kill(_get_sigkill_signal() if signum is None else signum)
+
+
+def mark_optimizer_stepped(optimizer) -> None:
+    """What torch's ``LRScheduler`` records on the optimizers it patches when they step."""
+    getattr(optimizer, "optimizer", optimizer)._opt_called = True
+
+
+class ValidatingLauncher:
+    """Checks the configuration in the launching process before the other ranks start: a refused configuration must
+    not leave ranks running on (each would re-run the whole script, data and model included, first)."""
+
+    def launch(self, function, *args, trainer=None, **kwargs):
+        if trainer is not None:
+            trainer.strategy.validate_mesh()
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+
+class PipelineScriptLauncher(ValidatingLauncher, ScriptLauncher):
+    """Lightning's script re-running launcher (CLI), validating first."""
+
+
+class PipelineSpawnLauncher(ValidatingLauncher, SpawnLauncher):
+    """Lightning's spawn launcher hands rank 0's ``state_dict`` back to the main process; under a pipeline rank 0
+    holds only stage 0, so every stage's weights are gathered first."""
+
+    def _collect_rank_zero_results(self, trainer, results):
+        module = trainer.lightning_module
+        full = self._strategy.gather_full_state_dict()
+        module.state_dict = lambda *args, **kwargs: full
+        try:
+            return super()._collect_rank_zero_results(trainer, results)
+        finally:
+            del module.state_dict
+
+
+def pipeline_launcher(launcher, strategy):
+    """The validating variant of the launcher Lightning chose (``launcher`` itself if it is neither)."""
+    if isinstance(launcher, SpawnLauncher):
+        return PipelineSpawnLauncher(strategy, start_method=strategy._start_method)
+    if isinstance(launcher, ScriptLauncher):
+        return PipelineScriptLauncher(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
+    return launcher

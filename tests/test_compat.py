@@ -1,0 +1,91 @@
+"""Guards for the private Lightning and torch internals ``lightning_async.strategies.compat`` relies on.
+
+Each test fails, by name, when an upgrade moves or renames the internal a patch needs (instead of a pipeline that
+hangs or trains with a wrong sampler).
+"""
+
+from __future__ import annotations
+
+import inspect
+import signal
+import warnings
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+
+from lightning_async.strategies import AsyncPipelineStrategy, compat
+
+
+def _trainer(**kwargs) -> L.Trainer:
+    return L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, **kwargs)
+
+
+def test_targets_the_installed_lightning_minor_version() -> None:
+    assert L.__version__.startswith(compat.LIGHTNING_TARGET + "."), (
+        f"compat.py is written for Lightning {compat.LIGHTNING_TARGET}, this is {L.__version__}: re-check every patch"
+    )
+
+
+def test_the_training_sampler_switch_exists() -> None:
+    trainer = _trainer()
+    assert trainer._accelerator_connector.use_distributed_sampler is True
+    compat.keep_training_sampler(trainer)
+    assert trainer._accelerator_connector.use_distributed_sampler is False
+
+
+def test_the_sigterm_hooks_are_the_ones_lightning_calls() -> None:
+    trainer = _trainer()
+    calls = []
+    compat.install_sigterm_hooks(trainer, lambda signum, frame: calls.append(signum), lambda: calls.append("batch"))
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        trainer._signal_connector.register_signal_handlers()  # what fit does after setup
+        signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+    finally:
+        trainer._signal_connector.teardown()
+        signal.signal(signal.SIGTERM, previous)
+    assert calls == [signal.SIGTERM]
+    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor()
+    assert calls[-1] == "batch"
+    assert "self._broadcast_sigterm_tensor()" in inspect.getsource(_TrainingEpochLoop)  # still called every batch
+
+
+def test_the_launchers_keep_their_shape() -> None:
+    strategy = AsyncPipelineStrategy()
+    L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
+    assert isinstance(strategy.launcher, compat.PipelineScriptLauncher)
+    assert compat.started_processes(strategy.launcher) == [] and callable(strategy.launcher.kill)
+    assert callable(getattr(compat.SpawnLauncher, "_collect_rank_zero_results", None))
+    spawn = AsyncPipelineStrategy(start_method="spawn")
+    L.Trainer(accelerator="cpu", devices=2, strategy=spawn, logger=False)
+    assert isinstance(spawn.launcher, compat.PipelineSpawnLauncher)
+
+
+def test_the_scheduler_marker_silences_torchs_order_warning() -> None:
+    def step_scheduler(mark: bool) -> list[str]:
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        if mark:
+            compat.mark_optimizer_stepped(optimizer)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            scheduler.step()
+        return [str(w.message) for w in caught if "lr_scheduler.step()" in str(w.message)]
+
+    assert step_scheduler(mark=False), "torch no longer warns: the marker may be obsolete"
+    assert step_scheduler(mark=True) == []
+
+
+@pytest.mark.parametrize("signum", [None, signal.SIGTERM])
+def test_kill_started_reaches_the_launched_processes(signum) -> None:
+    import subprocess
+    import sys
+
+    strategy = AsyncPipelineStrategy()
+    L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    strategy.launcher.procs = [child]
+    compat.kill_started(strategy.launcher, signum)
+    assert child.wait(timeout=10) != 0
