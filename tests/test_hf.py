@@ -23,7 +23,7 @@ from lightning_async.optim.schedules import warmup_cosine  # noqa: E402
 from lightning_async.pipeline.partition import partition_units  # noqa: E402
 from lightning_async.pipeline.stage import build_stage  # noqa: E402
 from test_callbacks import (  # noqa: E402
-    CLIP, KWARGS, LRS, STEPS, TRAIN, VOCAB, WEIGHT_DECAY, _one_thread, make_trainer, max_diff, train_loader, weights,  # noqa: F401
+    CLIP, KWARGS, LRS, STEPS, TRAIN, VOCAB, WEIGHT_DECAY, make_trainer, max_diff, train_loader, weights,
 )
 from test_delay import reference_delayed  # noqa: E402
 
@@ -40,6 +40,7 @@ CONFIGS = {
 }
 
 pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
     pytest.mark.filterwarnings("ignore:.*does not have many workers"),
     pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden"),
     pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before"),

@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from lightning_async.pipeline.schedules import BACKWARD, FORWARD, UPDATE, Action, run_actions, validate
+from lightning_async.pipeline.schedules import BACKWARD, FORWARD, UPDATE, Action, run_actions, spec, validate
 
 __all__ = [
     "DeadlockError",
@@ -50,7 +50,7 @@ class SimResult:
 
     schedule: str
     num_stages: int
-    num_microbatches: int
+    n_microbatches: int
     num_batches: int
     total_time: float
     #: per stage: list of (action, start, end)
@@ -74,7 +74,7 @@ class SimResult:
         return {
             "schedule": self.schedule,
             "num_stages": self.num_stages,
-            "num_microbatches": self.num_microbatches,
+            "n_microbatches": self.n_microbatches,
             "num_batches": self.num_batches,
             "total_time": self.total_time,
             "per_batch_time": self.per_batch_time,
@@ -114,7 +114,7 @@ def _version_used(schedule: str, batch: int) -> int:
     Flushing schedules use the newest weights, ``W_b`` (updates ``U(0..b-1)``). 2BW uses ``V(b)``: updates
     ``U(0..b-2)``, i.e. ``max(b - 1, 0)`` of them (``V(0) = V(1) = W0``).
     """
-    return max(batch - 1, 0) if schedule == "2bw" else batch
+    return max(batch - 1, 0) if spec(schedule).delayed else batch
 
 
 def simulate_lists(
@@ -192,7 +192,7 @@ def _busy_in(intervals: list[tuple[Action, float, float]], lo: float, hi: float)
 def simulate(
     schedule: str,
     num_stages: int,
-    num_microbatches: int,
+    n_microbatches: int,
     num_batches: int = 5,
     forward: float | Sequence[float] = 1.0,
     backward: float | Sequence[float] = 2.0,
@@ -209,10 +209,10 @@ def simulate(
     4 batches) and the end of batch ``num_batches - 2`` (the last batch ends inside the drain, which is faster);
     the end of a batch is when the last stage to apply its update finishes it.
     """
-    validate(schedule, num_stages, num_microbatches)
+    validate(schedule, num_stages, n_microbatches)
     if num_batches < 1:
         raise ValueError(f"num_batches must be >= 1, got {num_batches}.")
-    p, m = num_stages, num_microbatches
+    p, m = num_stages, n_microbatches
     lists = [run_actions(schedule, s, p, m, num_batches) for s in range(p)]
     trace = simulate_lists(lists, forward, backward, comm, update)
     tf, tb = _per_stage(forward, p, "forward"), _per_stage(backward, p, "backward")
@@ -270,7 +270,7 @@ def simulate(
     return SimResult(
         schedule=schedule,
         num_stages=p,
-        num_microbatches=m,
+        n_microbatches=m,
         num_batches=num_batches,
         total_time=total,
         trace=trace,
