@@ -30,6 +30,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_async.strategies import AsyncPipelineStrategy  # (importing registers async_pipe / sync_pipe)
 from lightning_async.callbacks import DelayCorrection, DelaySimulation, DivergenceGuard, ErrorFeedback, RunTelemetry
+from lightning_async.callbacks.delay import check_corrections
 from lightning_async.data import TextDataModule
 from lightning_async.lm import CausalLM
 from lightning_async.pipeline.checkpoint import refuse_pipeline_checkpoint
@@ -207,11 +208,16 @@ class AsyncCLI(LightningCLI):
 
     def after_instantiate_classes(self) -> None:
         check_sequence_length(self.model, self.datamodule)
-        if not isinstance(self.trainer.strategy, AsyncPipelineStrategy):
-            try:
+        pipeline = isinstance(self.trainer.strategy, AsyncPipelineStrategy)
+        try:  # before any data is prepared or any rank starts
+            if pipeline:
+                self.trainer.strategy.validate_mesh()
+            if self.subcommand == "fit":
+                check_corrections(self.trainer)
+            if not pipeline:
                 refuse_pipeline_checkpoint(self.config_init.get(self.subcommand, {}).get("ckpt_path"))
-            except ValueError as err:
-                raise CLIError(str(err)) from err
+        except ValueError as err:
+            raise CLIError(str(err)) from err
 
 
 def run_cli(args: list[str] | None = None) -> AsyncCLI:

@@ -74,6 +74,32 @@ def test_the_traceback_of_a_constructor_error_on_request(tmp_path, small_data, m
     assert "lightning_async" in frames[-1] and not frames[-1].endswith("cli.py")  # where the strategy raised it
 
 
+# ---- checks after the classes are built, before any rank or data -------------------------------
+CORRECTIONS = str(REPO / "recipes/corrections")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--config", PIPELINE, "--config", f"{CORRECTIONS}/weight-prediction.yaml"],
+         "The 'weight-prediction' correction changes the weights the forward reads; the 2BW pipeline keeps two"),
+        (["--config", str(REPO / "recipes/pipeline/sync.yaml"), "--config", f"{CORRECTIONS}/nesterov.yaml"],
+         "The 'nesterov' correction corrects the one-step delay of schedule '2bw', but schedule '1f1b' is synchronous"),
+        (["--config", f"{CORRECTIONS}/dc-asgd.yaml"], "DelayCorrection('dc-asgd') needs a delay source"),
+        (["--config", str(REPO / "recipes/modes/delayed-ef.yaml"), "--config", f"{CORRECTIONS}/nesterov.yaml"],
+         "Two staleness corrections are switched on"),
+        (["--config", PIPELINE, "--trainer.strategy.init_args.n_microbatches", "1"],
+         "schedule '2bw' needs at least as many micro-batches per batch as pipeline stages"),
+    ],
+    ids=["prediction-under-pipeline", "correction-on-1f1b", "no-delay-source", "two-corrections", "microbatches"],
+)
+def test_refused_settings_stop_before_any_rank_starts(tmp_path, capsys, small_data, args, message):
+    rc, output = run_main(capsys, *fit(tmp_path, small_data, *args))
+    assert rc == EXIT_BAD_INPUT
+    assert f"error: {message}" in output and "Traceback" not in output
+    assert not (tmp_path / "runs").exists()  # nothing was trained or logged
+
+
 # ---- checks of the command line and the recipes ---------------------------------------------------
 @pytest.mark.parametrize("flag", ["--model.vocab_size", "--model.init_args.vocab_size"])
 def test_setting_the_model_vocabulary_points_to_the_data_module(tmp_path, capsys, small_data, flag):

@@ -55,6 +55,17 @@ def _wrap_configured(result, wrap):
     raise TypeError(f"DelaySimulation cannot find the optimizer in configure_optimizers()' result {type(result).__name__}.")
 
 
+def _delay_sources(trainer: Trainer) -> list:
+    return [cb for cb in trainer.callbacks if isinstance(cb, DelaySimulation) and cb.active]
+
+
+def check_corrections(trainer: Trainer) -> None:
+    """Every active correction callback's :meth:`DelayCorrection.check` (before any rank starts)."""
+    for callback in trainer.callbacks:
+        if isinstance(callback, DelayCorrection):
+            callback.check(trainer)
+
+
 def _restricted(delays: dict, optimizer) -> dict:
     """The entries of ``delays`` for the parameters ``optimizer`` updates."""
     mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
@@ -241,6 +252,18 @@ class DelayCorrection(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if not self.active or stage != "fit":
             return
+        self.check(trainer)
+        if _is_pipeline(trainer):
+            trainer.strategy.correction_settings = self.settings
+            return
+        for source in _delay_sources(trainer):
+            source.correction_settings = self.settings
+
+    def check(self, trainer: Trainer) -> None:
+        """Raise ``ValueError`` (naming the fix) if this correction cannot apply to ``trainer``'s run; changes
+        nothing (the pipeline's launcher calls it before starting other ranks)."""
+        if not self.active:
+            return
         others = [cb for cb in trainer.callbacks if isinstance(cb, DelayCorrection) and cb.active and cb is not self]
         if others:
             names = ", ".join(cb.correction.method for cb in [self, *others])
@@ -256,16 +279,12 @@ class DelayCorrection(Callback):
                     "weight versions per stage and cannot. Study it on one device with DelaySimulation "
                     "(recipes modes/delayed + corrections/" + method + ")."
                 )
-            strategy.correction_settings = self.settings
             return
-        sources = [cb for cb in trainer.callbacks if isinstance(cb, DelaySimulation) and cb.active]
-        if not sources:
+        if not _delay_sources(trainer):
             raise ValueError(
                 f"{self.describe()} needs a delay source: add DelaySimulation(delay>=1) (recipe modes/delayed) "
                 "or train with strategy='async_pipe'."
             )
-        for source in sources:
-            source.correction_settings = self.settings
 
 
 class ErrorFeedback(DelayCorrection):

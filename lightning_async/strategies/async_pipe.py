@@ -183,6 +183,13 @@ class AsyncPipelineStrategy(DDPStrategy):
             if self.partition != "time":  # 'time' measures the units on their device: checked in setup
                 partition_units(list(module.pipeline_units()), pp, self.partition)
 
+    def validate_launch(self, trainer) -> None:
+        """What the launching process checks before other ranks start: the mesh and the run's corrections."""
+        from lightning_async.callbacks.delay import check_corrections
+
+        self.validate_mesh()
+        check_corrections(trainer)
+
     @override
     def setup_environment(self) -> None:
         self.validate_mesh()

@@ -65,7 +65,7 @@ class ValidatingLauncher:
 
     def launch(self, function, *args, trainer=None, **kwargs):
         if trainer is not None:
-            trainer.strategy.validate_mesh()
+            trainer.strategy.validate_launch(trainer)
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
