@@ -21,6 +21,7 @@ import inspect
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 import yaml
@@ -231,12 +232,22 @@ def run_cli(args: list[str] | None = None) -> AsyncCLI:
     )
 
 
+def stop_on_sigterm_until_lightning_handles_it(signum: int, frame: object) -> None:
+    """SIGTERM handler for the time before Lightning installs its own (that happens after the strategy's
+    setup, long after the run folder exists): stop at once with :class:`SIGTERMException`. Once Lightning's
+    handler is in place it calls this one too, which then does nothing: Lightning stops at the next batch."""
+    if signal.getsignal(signal.SIGTERM) is stop_on_sigterm_until_lightning_handles_it:
+        raise SIGTERMException()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: 0 done, 2 bad input (one ``error:`` line), 143 stopped by SIGTERM."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in TOOLS:
         module, function = TOOLS[argv[0]]
         return int(getattr(importlib.import_module(module), function)(argv[1:]) or 0)
+    in_main_thread = threading.current_thread() is threading.main_thread()  # signal handlers live there only
+    previous_handler = signal.signal(signal.SIGTERM, stop_on_sigterm_until_lightning_handles_it) if in_main_thread else None
     try:
         cli = run_cli(argv)
         stopped = cli.trainer.received_sigterm if hasattr(cli, "trainer") else False
@@ -245,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except SIGTERMException:  # a SystemExit without a code: the process would exit 0
         stopped = True
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous_handler)
     if stopped:
         print("error: stopped by SIGTERM before the end of the run", file=sys.stderr)
         return EXIT_SIGTERM

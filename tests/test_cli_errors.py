@@ -16,9 +16,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import nn
 
-from lightning_async.cli import EXIT_BAD_INPUT, EXIT_SIGTERM, check_sequence_length, main, run_cli
+from lightning_async.cli import (
+    EXIT_BAD_INPUT,
+    EXIT_SIGTERM,
+    check_sequence_length,
+    main,
+    run_cli,
+    stop_on_sigterm_until_lightning_handles_it,
+)
 from lightning_async.lm import CausalLM
 
 REPO = Path(__file__).resolve().parents[1]
@@ -160,13 +168,29 @@ def test_fit_stopped_by_sigterm_exits_non_zero(tmp_path):
             time.sleep(0.2)
         time.sleep(1.0)
         proc.send_signal(signal.SIGTERM)
-        _, stderr = proc.communicate(timeout=30)
+        _, stderr = proc.communicate(timeout=90)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == EXIT_SIGTERM, stderr[-3000:]
     assert "stopped by SIGTERM" in stderr
     assert not list((tmp_path / "runs").rglob("DONE"))  # compare/study must not count it as finished
+
+
+def test_a_sigterm_before_lightnings_handler_stops_the_cli_and_after_it_is_left_to_lightning():
+    """The events file exists before Lightning installs its SIGTERM handler (after the strategy's setup):
+    a SIGTERM in that window must still end as 'stopped' (143), not as a silent kill or a finished run."""
+    previous = signal.signal(signal.SIGTERM, stop_on_sigterm_until_lightning_handles_it)
+    try:
+        with pytest.raises(SIGTERMException):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1.0)  # the handler runs between bytecodes; it raises long before this ends
+        lightnings_handler = lambda signum, frame: stop_on_sigterm_until_lightning_handles_it(signum, frame)
+        signal.signal(signal.SIGTERM, lightnings_handler)  # Lightning's handler calls the previous one too
+        os.kill(os.getpid(), signal.SIGTERM)  # ... which must then leave the stop to Lightning: no exception
+        time.sleep(0.05)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 # ---- any LightningModule in the model section -----------------------------------------------------------
