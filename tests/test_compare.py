@@ -216,6 +216,28 @@ def test_missing_mode_and_zero_gap_are_na(tmp_path):
     assert any("adan: no finished runs with val/loss for async+EF" in w for w in result.warnings)
 
 
+def test_a_gap_within_seed_noise_gets_no_recovered_share(tmp_path):
+    """Lion-like: per-seed gaps of both signs (mean +0.01, std ~0.09): the share of that is noise, n/a.
+    AdamW-like: a clear gap keeps its share; its per-seed shares count only seeds whose own gap is positive."""
+    finals = {
+        "lion": {0: (2.00, 2.11, 2.12), 1: (2.10, 2.00, 2.02), 2: (2.05, 2.07, 2.08)},
+        "adamw": {0: (1.60, 1.90, 1.70), 1: (1.62, 1.88, 1.75), 2: (1.61, 1.89, 1.72)},
+    }
+    for optimizer, by_seed in finals.items():
+        for seed, (s, a, e) in by_seed.items():
+            for mode, ef, loss in (("sync", 0, s), ("delayed", 0, a), ("delayed", 1, e)):
+                write_fake_run(tmp_path / f"{optimizer}-{mode}-{ef}-s{seed}", optimizer=optimizer, mode=mode,
+                               ef_strength=ef, seed=seed, val_loss={10: loss})
+    rows = {r.optimizer: r for r in compare([tmp_path]).rows}
+    lion, adamw = rows["lion"], rows["adamw"]
+    assert lion.gap == pytest.approx(0.01, abs=1e-6) and lion.gap_within_noise
+    assert lion.recovered is None and fmt_recovered(lion) == "n/a (gap within seed noise)"
+    assert lion.recovered_seeds.n == 2  # seed 1's gap is negative: its "share" is left out
+    assert not adamw.gap_within_noise
+    assert adamw.recovered == pytest.approx((1.89 - 1.7233333) / (1.89 - 1.61), abs=1e-6)
+    assert fmt_recovered(adamw).startswith("60% ± ")
+
+
 def test_groups_by_lr_and_ef_strength(tmp_path):
     for lr, s, a in ((1e-3, 2.7, 2.9), (3e-3, 2.6, 2.95)):
         write_fake_run(tmp_path / f"s{lr}", optimizer="adamw", mode="sync", lr=lr, val_loss={10: s})

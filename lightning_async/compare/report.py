@@ -12,7 +12,8 @@ marked, never averaged. For each row:
 * ``gap = async - sync`` (and in % of sync);
 * ``<correction> recovered = (async - async+<correction>) / (async - sync)`` (``EF recovered`` for
   ``ef``): 1 means the correction closes the whole gap, 0 means it does nothing, negative means it
-  hurts. "n/a" when a mode is missing or the gap is ~0.
+  hurts. "n/a" when a mode is missing, the gap is ~0, or (with 2+ seeds) the gap is within seed noise:
+  smaller than ``NOISE_SIGMAS`` standard errors of the per-seed gaps (a share of noise is no result).
 
 Spread over seeds is the sample standard deviation (ddof=1) with the min-max range; for the gap
 and a recovered share it is taken over the per-seed values of seeds present in the modes involved.
@@ -21,6 +22,7 @@ and a recovered share it is taken over the per-seed values of seeds present in t
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -34,6 +36,9 @@ from lightning_async.identity import EF, NO_CORRECTION, correction_category, cor
 
 #: |gap| below this (absolute, in loss units) counts as "no gap": the recovered share is n/a.
 GAP_TOLERANCE = 1e-4
+
+#: With 2+ seeds, a gap under this many standard errors of its per-seed values is seed noise: share n/a.
+NOISE_SIGMAS = 2.0
 
 #: SmolLM2-360M on FineWeb-Edu, final validation loss: (sync, async, async+EF); None = not given.
 #: Source: the paper (arXiv 2606.30634) via a machine-written summary; see docs/compare.md.
@@ -208,21 +213,30 @@ class Row:
     def gap_is_zero(self) -> bool:
         return self.gap is not None and abs(self.gap) < self.gap_tolerance
 
+    @property
+    def gap_within_noise(self) -> bool:
+        """With 2+ paired seeds: |gap| < ``NOISE_SIGMAS`` standard errors of the per-seed gaps."""
+        seeds = self.gap_seeds
+        if self.gap is None or seeds is None or seeds.n < 2:
+            return False
+        return abs(self.gap) < NOISE_SIGMAS * seeds.std / math.sqrt(seeds.n)
+
     def recovered_by(self, correction: str) -> float | None:
-        """(mean async - mean async+<correction>) / (mean async - mean sync); None when n/a."""
+        """(mean async - mean async+<correction>) / (mean async - mean sync); None when n/a (a mode missing,
+        the gap ~0 or within seed noise)."""
         corrected = self.stat(correction_category(correction))
-        if self.gap is None or corrected is None or self.gap_is_zero:
+        if self.gap is None or corrected is None or self.gap_is_zero or self.gap_within_noise:
             return None
         return (self.async_.mean - corrected.mean) / self.gap
 
     def recovered_seeds_by(self, correction: str) -> Stat | None:
         """Per-seed recovered shares of ``correction`` (seeds present in sync, async and async+<correction>,
-        with a non-zero gap)."""
+        whose own gap is positive: the share of a negative gap has the opposite meaning)."""
         category = correction_category(correction)
         shares = [
             (p[ASYNC] - p[category]) / (p[ASYNC] - p[SYNC])
             for p in self._paired(SYNC, ASYNC, category)
-            if abs(p[ASYNC] - p[SYNC]) >= self.gap_tolerance
+            if p[ASYNC] - p[SYNC] >= self.gap_tolerance
         ]
         return _stat(shares)
 
@@ -412,6 +426,8 @@ def fmt_recovered(row: Row, correction: str = EF) -> str:
     if share is None:
         if row.gap is not None and row.stat(category) is not None and row.gap_is_zero:
             return "n/a (gap ~0)"
+        if row.gap is not None and row.stat(category) is not None and row.gap_within_noise:
+            return "n/a (gap within seed noise)"
         return _diverged_note(row, SYNC, ASYNC, category)
     text = f"{100 * share:.0f}%"
     seeds = row.recovered_seeds_by(correction)
@@ -556,8 +572,10 @@ def write_markdown(
         "100% means EF closes the whole gap, 0% means it does nothing, negative means it hurts"
         + (f"; {', '.join(recovered_header(c) for c in others)}: the same share for that correction "
            "(async+<correction> in place of async+EF)" if others else "")
-        + f"; n/a when a mode is missing or |gap| < {GAP_TOLERANCE:g}. Spreads of gap and recovered shares are "
-        "over the per-seed values of seeds present in the modes involved (n = those seeds).",
+        + f"; n/a when a mode is missing, |gap| < {GAP_TOLERANCE:g}, or the gap is within seed noise (under "
+        f"{NOISE_SIGMAS:g} standard errors of the per-seed gaps). Spreads of gap and recovered shares are "
+        "over the per-seed values of seeds present in the modes involved (n = those seeds; a share only for "
+        "seeds whose own gap is positive).",
         "",
         render_tables(rows, paper=paper, markdown=True),
         "",

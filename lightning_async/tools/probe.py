@@ -111,7 +111,8 @@ def verdict(row: Row) -> Verdict:
         sentences.append("EF was not measured (no delayed-ef run)")
     elif recovered is None:
         ef_delta = row.async_.mean - row.async_ef.mean
-        sentences.append(f"EF changes the final loss by {-ef_delta:+.4f} (no gap to recover)")
+        why = "the gap is within seed noise" if row.gap_within_noise else "no gap to recover"
+        sentences.append(f"EF changes the final loss by {-ef_delta:+.4f} ({why})")
     elif gap > 0:
         sentences.append(f"EF recovers {100 * recovered:.0f}% of it ({_ef_phrase(recovered)})")
     else:
