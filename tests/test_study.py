@@ -664,6 +664,11 @@ def test_probe_recommendation_wording_and_bad_corrections(tmp_path):
     hurts = BestCorrection("lion", "nesterov", "lion", -0.2, 0.05, 3)
     assert recommendation(hurts).startswith("Recommendation: no correction: the best one tried, nesterov, recovers -20%")
     assert "could be ranked" in recommendation(None)
+    forward = recommendation(BestCorrection("mars", "weight-prediction", "mars", 0.57, None, 1))
+    assert "corrections/weight-prediction" in forward and "pipeline cannot run it" in forward
+    assert "pipeline/async" not in forward  # the 2BW runtime refuses forward-level corrections
+    assert "--config pipeline/async --config corrections/ef" in recommendation(BestCorrection("adamw", "ef", "adamw",
+                                                                                              0.8, None, 1))
     recipe = tmp_path / "mine.yaml"
     recipe.write_text("model: {optimizer: adamw}\n")
     assert probe_main(["--config", str(recipe), "--corrections", "dcasgd", "--dry-run"]) == 2

@@ -26,6 +26,7 @@ import yaml
 from lightning_async.compare import ASYNC, SYNC, CompareError, Row, compare
 from lightning_async.compare.ranking import BestCorrection, best_corrections
 from lightning_async.identity import KNOWN_CORRECTIONS
+from lightning_async.optim.corrections import CORRECTIONS, FORWARD
 from lightning_async.recipes_index import RecipeNotFound, resolve_config
 from lightning_async.tools.study import Runner, Study, StudyError, find_recipes_dir, parse_set, run_study
 
@@ -52,9 +53,13 @@ def recommendation(best: BestCorrection | None) -> str:
     if best.mean <= 0:
         return (f"Recommendation: no correction: the best one tried, {best.correction}, recovers {100 * best.mean:.0f}%"
                 f"{spread}{seeds} of the gap (it does not help this recipe).")
+    simulation = f"`--config modes/delayed --config corrections/{best.correction}`"
+    if CORRECTIONS[best.correction].level == FORWARD:  # the 2BW runtime holds no third weight version
+        where = f"{simulation}; single-device simulation only: the pipeline cannot run it"
+    else:
+        where = f"{simulation}, or under the pipeline `--config pipeline/async --config corrections/{best.correction}`"
     return (f"Recommendation: {best.correction}, which recovers {100 * best.mean:.0f}%{spread} of the delay's gap"
-            f"{seeds} (`--config modes/delayed --config corrections/{best.correction}`, or under the pipeline "
-            f"`--config pipeline/async --config corrections/{best.correction}`).")
+            f"{seeds} ({where}).")
 
 
 @dataclass
