@@ -87,6 +87,9 @@ def plot(table: list[dict], path: str) -> None:
             ax.scatter([20], [100 * PAPER_GAPS[optimizer]], marker="*", s=120, color=line.get_color(),
                        label=f"{optimizer}, paper (360M)")
     ax.set_xscale("log")
+    lengths = sorted({round(r["tokens_per_param"], 1) for r in table})
+    ax.set_xticks(lengths, [f"{x:g}" for x in lengths], minor=False)
+    ax.set_xticks([], minor=True)  # the log axis' minor labels (3x10^0, 4x10^0, ...) would overlap these
     ax.set_xlabel("training tokens per parameter")
     ax.set_ylabel("gap: (async - sync) / sync, %")
     ax.axhline(0, color="gray", linewidth=0.5)
