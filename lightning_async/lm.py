@@ -25,6 +25,17 @@ from lightning_async.optim import build_optimizer
 from lightning_async.optim.schedules import warmup_cosine
 
 
+def _reset_outside_inference(metric: MeanMetric) -> None:
+    """Start an evaluation epoch from an empty metric whose state is an ordinary tensor.
+
+    Lightning evaluates ``validate``/``test`` under ``torch.inference_mode``: a reset there makes the metric's
+    state inference tensors, which a later ``fit`` on the same module (its validation runs under ``no_grad``)
+    cannot update in place, and whatever an interrupted epoch left would be averaged into the next one.
+    """
+    with torch.inference_mode(False):
+        metric.reset()
+
+
 class CausalLMTraining(LightningModule):
     """Next-token training shared by the causal LMs: objective, loss/perplexity/tokens logging, the zoo's
     optimizers with warmup + cosine, tokens seen in checkpoints.
@@ -103,6 +114,12 @@ class CausalLMTraining(LightningModule):
         """Count tokens here, not where the loss is logged: a pipeline reports some losses a step late."""
         replicas = getattr(self.trainer.strategy, "data_parallel_size", self.trainer.world_size)
         self.tokens_seen += (batch.shape[0] * (batch.shape[1] - 1)) * replicas
+
+    def on_validation_epoch_start(self) -> None:
+        _reset_outside_inference(self.val_loss)
+
+    def on_test_epoch_start(self) -> None:
+        _reset_outside_inference(self.test_loss)
 
     def on_validation_epoch_end(self) -> None:
         self._log_perplexity("val")

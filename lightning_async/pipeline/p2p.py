@@ -10,8 +10,12 @@ both sides always post in matching order. Receives are waited on at once; sends 
 of a large tensor completes only when the receiver has posted its receive, and under 2BW the receiver
 of a stage's last send of a batch is already in the next batch. Waiting there would tie every
 training call to the neighbour's next one (and deadlock against any collective Lightning runs between
-batches). Pending sends keep their buffers alive and are reaped as they complete; :meth:`flush`
-waits for all of them (drain, evaluation, checkpoints).
+batches). Pending sends keep their buffers alive until they are released: NCCL sends as soon as they report
+completion (``is_completed()`` turns true when the kernel has run); gloo sends never report completion before
+``wait()``, so :meth:`StageTransport.begin_call` waits for (and frees) every send posted two or more calls
+ago, which the neighbours have provably received by then (the argument is in :meth:`begin_call`), so the wait
+returns at once and never ties a call to a neighbour's. :meth:`flush` waits for all of them (drain,
+evaluation, checkpoints). Without the release, a 2BW run with no drain kept every activation it ever sent.
 
 Pre-posted receives (gloo): gloo moves a message only once its receive is posted, so a receive posted
 after the compute that precedes it costs a late round trip (about 1 ms against 0.15 ms on a loaded CPU,
@@ -97,7 +101,8 @@ class StageTransport:
         self.headers_sent = 0  # boundary specs announced so far (for tests)
         self.act_spec: BoundarySpec | None = None  # what we receive from prev
         self.sent_spec: BoundarySpec | None = None  # what we send to next (its gradients are what we receive)
-        self._pending_sends: list[tuple[list, list[torch.Tensor], int]] = []  # (works, buffers kept alive, peer)
+        self._pending_sends: list[tuple[list, list[torch.Tensor], int, int]] = []  # (works, buffers kept alive, peer, call)
+        self.calls = 0  # training calls begun since this transport was made (each send is tagged with its call)
         self._inbox: tuple[str, list | None, list[torch.Tensor], int] | None = None  # (kind, works or None, buffers, peer)
 
     @property
@@ -125,7 +130,7 @@ class StageTransport:
         if self._inbox is not None:
             raise RuntimeError(f"a received {self._inbox[0]!r} was never consumed; the schedule and transport disagree")
         pending, self._pending_sends = self._pending_sends, []
-        for works, _, peer in pending:
+        for works, _, peer, _ in pending:
             self._wait(works, peer)
 
     def abandon(self) -> None:
@@ -133,7 +138,27 @@ class StageTransport:
         self._inbox = None
 
     def _reap(self) -> None:
+        """Free the sends that report completion (NCCL: their kernel ran; gloo: only once waited)."""
         self._pending_sends = [entry for entry in self._pending_sends if not all(w.is_completed() for w in entry[0])]
+
+    def begin_call(self) -> None:
+        """A new training call begins: free every send posted two or more calls ago.
+
+        Why waiting for them cannot block: let stage ``s`` begin call ``b``. (1) Its activations of call ``b - 2``
+        are micro-batches whose backwards stage ``s`` ran in call ``b - 1`` at the latest (a stage keeps fewer than
+        ``m`` forwards in flight), and each of those backwards needed a gradient that stage ``s + 1`` could only
+        send after its forward had received the activation. (2) Its gradients of call ``b - 2`` reached stage
+        ``s - 1`` before that stage sent the activations stage ``s`` received in call ``b - 1`` (1F1B order:
+        ``B(j)`` precedes ``F(j + warmup + 1)``). Flushing schedules finish every exchange within the call.
+        So the neighbours have received these sends and ``wait()`` returns at once.
+        """
+        self.calls += 1
+        old = [entry for entry in self._pending_sends if entry[3] <= self.calls - 2]
+        if old:
+            self._pending_sends = [entry for entry in self._pending_sends if entry[3] > self.calls - 2]
+            for works, _, peer, _ in old:
+                self._wait(works, peer)
+        self._reap()
 
     # -- helpers --------------------------------------------------------------------------------
     def _wait(self, works, peer: int) -> None:
@@ -151,7 +176,7 @@ class StageTransport:
         payload = torch.tensor(list(spec.encode()), dtype=torch.uint8, device=self.device)
         length = torch.tensor([payload.numel()], dtype=torch.int64, device=self.device)
         for tensor in (length, payload):
-            self._pending_sends.append(([dist.isend(tensor, peer, group=self.group)], [tensor], peer))
+            self._pending_sends.append(([dist.isend(tensor, peer, group=self.group)], [tensor], peer, self.calls))
 
     def _receive_header(self, peer: int) -> BoundarySpec:
         length = torch.empty(1, dtype=torch.int64, device=self.device)
@@ -202,7 +227,7 @@ class StageTransport:
         else:  # coalesced (NCCL): one work for the whole group
             send_works = recv_works = works
         if sent:
-            self._pending_sends.append((send_works, sent, send_peer))
+            self._pending_sends.append((send_works, sent, send_peer, self.calls))
         if recv is not None and out:
             self._wait(recv_works, recv_peer)
 

@@ -370,6 +370,7 @@ class PipelineRuntime:
         self.batch_shape = shape
         if self.fresh:
             self.transport.reset()
+        self.transport.begin_call()  # frees the sends of two calls ago (gloo never frees them by itself)
         self._batch_data[b] = self._microbatches(inputs, targets)
         self._launch_deferred()
         self._hyper[b] = scheduled_values(self.optimizer)  # the update of batch b uses batch b's lr, momentum...
@@ -406,7 +407,8 @@ class PipelineRuntime:
         self.fresh = True
 
     def eval_batch(self, batch_data) -> torch.Tensor | None:
-        """Forward-only pipeline at the newest weights; returns the mean loss on every rank.
+        """Forward-only pipeline at the newest weights; returns the mean loss over the rows of every replica's batch,
+        on every rank.
 
         Evaluation batches may have any size: micro-batches are cut with ``tensor_split`` (sizes may
         differ; a header announces each new size, one per run of equal sizes) and the loss is weighted by micro-batch size.
@@ -432,12 +434,12 @@ class PipelineRuntime:
                 else:
                     t.exchange(y, "act", None)
         t.reset()
-        value = total / count if self.is_last else None
-        if self.groups.metrics is None:
-            return value
-        buf = torch.zeros((), device=self.device) if value is None else value.clone()
-        wait_collectives([dist.all_reduce(buf, group=self.groups.metrics, async_op=True)], "the evaluation loss", self.groups, "metrics")
-        return buf / self.groups.data_parallel_size
+        # (sum of row losses, rows) over every replica's last stage: the mean over all rows evaluated, exact even
+        # when the replicas' batches differ in size
+        stats = torch.stack([total, torch.tensor(float(count), device=self.device)]) if self.is_last else torch.zeros(2, device=self.device)
+        if self.groups.metrics is not None:
+            wait_collectives([dist.all_reduce(stats, group=self.groups.metrics, async_op=True)], "the evaluation loss", self.groups, "metrics")
+        return stats[0] / stats[1]
 
     # ---- accounting -------------------------------------------------------------------------------
     def memory_report(self) -> dict[str, int]:

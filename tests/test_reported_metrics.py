@@ -1,0 +1,234 @@
+"""What a pipeline *reports* equals the single-device evaluation of the same weights.
+
+One spawn of four processes runs every pipeline scenario in turn, each on the first ``pp x dp`` ranks (started as
+torchrun would start them, with a fresh default group per scenario), so later scenarios also run in processes that
+ran earlier ones: 1f1b and 2bw on 2 and 3 stages, 2bw on 2 stages x 2 replicas, and a pipeline ``validate``/``test``
+of a module that the same process had just validated on one device. The test process then evaluates the weights
+each scenario returned on one device, on the same batches, and replays the training on one device (plain training
+for 1f1b, ``DelaySimulation`` for 2bw): logged ``val/loss``, ``test/loss``, ``train/loss`` and ``train/tokens``
+must agree to float tolerance.
+
+What ``train/loss`` means under 2BW (docs/pipeline.md): at step ``t`` the pipeline logs the loss of batch
+``t - 1``, computed on the weights that batch's forward used (one update behind, as in ``DelaySimulation``), so
+it equals the single-device simulation's ``train/loss`` of step ``t - 1``; nothing is logged at step 0.
+``train/tokens`` at step ``t`` counts batches ``0..t`` on both.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader
+
+from _pipeline_harness import SHAPE as HARNESS_SHAPE
+from _pipeline_harness import free_port, spawn
+from lightning_async.callbacks import DelaySimulation
+from lightning_async.data.sampler import ResumableShuffleSampler
+from lightning_async.lm import CausalLM
+from lightning_async.strategies import AsyncPipelineStrategy
+
+pytestmark = pytest.mark.slow
+
+SHAPE = {k: v for k, v in HARNESS_SHAPE.items() if k != "vocab_size"}  # four blocks: 6 units, up to 3 stages
+STEPS, BATCH, VAL_ROWS, TEST_ROWS = 5, 8, 20, 12  # evaluation sets whose last batch is smaller (8, 8, 4 and 8, 4)
+TOL = 1e-6
+
+# name -> (pipeline stages, replicas, schedule)
+SCENARIOS = {
+    "1f1b-p2": (2, 1, "1f1b"),
+    "2bw-p2": (2, 1, "2bw"),
+    "1f1b-p3": (3, 1, "1f1b"),
+    "2bw-p3": (3, 1, "2bw"),
+    "2bw-p2-dp2": (2, 2, "2bw"),
+}
+
+
+def _rows(n: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 257, (17,), generator=g) for _ in range(n)]
+
+
+class Data(L.LightningDataModule):
+    """Training batches through the resumable sampler (a data-parallel run's replicas together read the rows of
+    a single device's batch of twice the size), and evaluation sets whose last batch is smaller than the others."""
+
+    def __init__(self, batch_size: int = BATCH) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+
+    def train_dataloader(self):
+        data = _rows(16 * STEPS, 1)
+        shards = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}
+        sampler = ResumableShuffleSampler(data, self.batch_size, seed=0, **shards)
+        return DataLoader(data, batch_size=self.batch_size, sampler=sampler, drop_last=True)
+
+    def val_dataloader(self):
+        return DataLoader(_rows(VAL_ROWS, 2), batch_size=self.batch_size)
+
+    def test_dataloader(self):
+        return DataLoader(_rows(TEST_ROWS, 3), batch_size=self.batch_size)
+
+
+def _model() -> CausalLM:
+    L.seed_everything(0)
+    return CausalLM(vocab_size=257, model_overrides=SHAPE, lr=3e-3)
+
+
+def _trainer(strategy, devices: int, log_dir: str | None = None, **kwargs) -> L.Trainer:
+    return L.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, logger=CSVLogger(log_dir) if log_dir else False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+        num_sanity_val_steps=0, **kwargs,
+    )
+
+
+def _logged_training(log_dir: str) -> dict[int, dict[str, float]]:
+    """``step -> {train/loss, train/tokens}`` from the CSV logger's ``metrics.csv``."""
+    path = next(os.path.join(root, f) for root, _, files in os.walk(log_dir) for f in files if f == "metrics.csv")
+    out: dict[int, dict[str, float]] = {}
+    with open(path) as f:
+        for row in csv.DictReader(f):
+            if row.get("train/loss"):
+                out[int(row["step"])] = {"train/loss": float(row["train/loss"]), "train/tokens": float(row["train/tokens"])}
+    return out
+
+
+def _pipeline_fit(name: str, tmp: str) -> dict:
+    stages, replicas, schedule = SCENARIOS[name]
+    model = _model()
+    log_dir = os.path.join(tmp, name)
+    trainer = _trainer(AsyncPipelineStrategy(schedule=schedule, n_microbatches=4, pipeline_parallel_size=stages),
+                       stages * replicas, log_dir, max_steps=STEPS, val_check_interval=STEPS)
+    trainer.fit(model, datamodule=Data())
+    val = float(trainer.callback_metrics["val/loss"])
+    test = trainer.test(model, datamodule=Data(), verbose=False)[0]["test/loss"]
+    state = trainer.strategy.gather_full_state_dict()
+    return {"val": val, "test": test, "state": state if dist.get_rank() == 0 else None,
+            "train": _logged_training(log_dir) if dist.get_rank() == 0 else None}
+
+
+def _validate_on_one_device() -> tuple[CausalLM, float]:
+    """A fresh module and its single-device validation loss (the module keeps the metric state it left)."""
+    model = _model()
+    return model, _trainer("auto", 1).validate(model, datamodule=Data(), verbose=False)[0]["val/loss"]
+
+
+def _pipeline_validate(model: CausalLM) -> dict:
+    """The same module object, now by a 2-stage pipeline in the same process."""
+    trainer = _trainer(AsyncPipelineStrategy(schedule="2bw", n_microbatches=2), 2)
+    val = trainer.validate(model, datamodule=Data(), verbose=False)[0]["val/loss"]
+    test = trainer.test(model, datamodule=Data(), verbose=False)[0]["test/loss"]
+    return {"val": val, "test": test}
+
+
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR")
+
+
+def _in_world(size: int, port: int, fn, *args):
+    """Run ``fn`` as torchrun would on ranks ``0..size-1`` of the spawn (a fresh default group); None elsewhere."""
+    rank = int(os.environ["SPAWN_RANK"])
+    if rank >= size:
+        return None
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        return fn(*args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for key in TORCHRUN_VARIABLES:
+            os.environ.pop(key, None)
+
+
+def _all_scenarios(tmp: str, ports: list[int]) -> dict:
+    os.environ["SPAWN_RANK"] = str(dist.get_rank())
+    dist.destroy_process_group()  # each scenario makes its own, as Lightning does from the environment
+    for key in TORCHRUN_VARIABLES:
+        os.environ.pop(key, None)
+    validated = _validate_on_one_device() if int(os.environ["SPAWN_RANK"]) < 2 else None
+    out = {"before": None if validated is None else {"single": validated[1], "state": {k: v.clone() for k, v in validated[0].state_dict().items()}}}
+    ports = iter(ports)
+    for name, (stages, replicas, _) in SCENARIOS.items():
+        out[name] = _in_world(stages * replicas, next(ports), _pipeline_fit, name, tmp)
+    if validated is not None:
+        out["after_single_device"] = _in_world(2, next(ports), _pipeline_validate, validated[0])
+    return out
+
+
+@pytest.fixture(scope="module")
+def reported(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("reported"))
+    ports = [free_port() for _ in range(len(SCENARIOS) + 1)]
+    return spawn(4, _all_scenarios, tmp, ports, timeout=600)
+
+
+def _single_device_eval(state: dict) -> tuple[float, float]:
+    model = _model()
+    model.load_state_dict(state)
+    trainer = _trainer("auto", 1)
+    val = trainer.validate(model, datamodule=Data(), verbose=False)[0]["val/loss"]
+    test = trainer.test(model, datamodule=Data(), verbose=False)[0]["test/loss"]
+    return val, test
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_logged_val_and_test_loss_equal_single_device_evaluation(reported, name):
+    stages, replicas, _ = SCENARIOS[name]
+    ranks = [r[name] for r in reported[: stages * replicas]]
+    val, test = _single_device_eval(ranks[0]["state"])
+    for rank in ranks:  # every rank logs the same value
+        assert rank["val"] == pytest.approx(val, abs=TOL)
+        assert rank["test"] == pytest.approx(test, abs=TOL)
+
+
+def test_pipeline_validate_after_a_single_device_validate_in_the_same_process(reported):
+    before = reported[0]["before"]
+    val, test = _single_device_eval(before["state"])
+    assert before["single"] == pytest.approx(val, abs=TOL)
+    for rank in reported[:2]:
+        assert rank["after_single_device"]["val"] == pytest.approx(val, abs=TOL)
+        assert rank["after_single_device"]["test"] == pytest.approx(test, abs=TOL)
+
+
+def test_spawned_pipeline_validate_after_a_single_device_validate():
+    """The user's path: validate on one device, then the same module object through Lightning's spawn launcher."""
+    model, single = _validate_on_one_device()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = _trainer(AsyncPipelineStrategy(schedule="2bw", n_microbatches=2, start_method="spawn"), 2)
+    val = trainer.validate(model, datamodule=Data(), verbose=False)[0]["val/loss"]
+    assert val == pytest.approx(single, abs=TOL)
+    assert val == pytest.approx(_single_device_eval(state)[0], abs=TOL)
+
+
+def test_validate_then_fit_on_one_device():
+    """A module validated (under inference mode) trains and validates again: its metric state is ordinary tensors."""
+    model = _model()
+    first = _trainer("auto", 1).validate(model, datamodule=Data(), verbose=False)[0]["val/loss"]
+    trainer = _trainer("auto", 1, max_steps=2, val_check_interval=2, limit_val_batches=1)
+    trainer.fit(model, datamodule=Data())  # raised "Inplace update to inference tensor" before
+    assert 3.0 < first < 7.0 and trainer.global_step == 2
+
+
+def _single_device_training(tmp: str, delayed: bool, batch_size: int) -> dict[int, dict[str, float]]:
+    log_dir = os.path.join(tmp, f"single-{delayed}-{batch_size}")
+    callbacks = [DelaySimulation(1)] if delayed else []
+    trainer = _trainer("auto", 1, log_dir, max_steps=STEPS, limit_val_batches=0, callbacks=callbacks)
+    trainer.fit(_model(), datamodule=Data(batch_size))
+    return _logged_training(log_dir)
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_logged_training_loss_and_tokens(reported, name, tmp_path):
+    stages, replicas, schedule = SCENARIOS[name]
+    logged = reported[0][name]["train"]
+    reference = _single_device_training(str(tmp_path), schedule == "2bw", BATCH * replicas)
+    lag = 1 if schedule == "2bw" else 0
+    assert sorted(logged) == list(range(lag, STEPS))  # 2BW: nothing at step 0, the last batch's loss never
+    for step, values in logged.items():
+        assert values["train/loss"] == pytest.approx(reference[step - lag]["train/loss"], abs=2e-5)
+        assert values["train/tokens"] == reference[step]["train/tokens"]
