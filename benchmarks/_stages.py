@@ -2,11 +2,13 @@
 
 Two kinds of stages:
 
-* ``sleep``: one tiny parameter and a custom autograd function whose forward sleeps ``tf`` seconds and whose
-  backward sleeps ``tb`` seconds. The stage time is fixed and uses no CPU, so a 2-core machine can host 4 or 8
-  stages and the measurement isolates the schedule and the runtime's own overheads (Python, p2p, bookkeeping).
-* ``real``: the ``tiny`` SmolLM2 cut into ``p`` contiguous slices of its pipeline units (real compute; each
-  process runs one thread).
+* ``sleep``: one tiny parameter and custom autograd functions whose forward sleeps ``tf`` seconds and whose
+  backward sleeps ``tb`` seconds, the weight-gradient part (``tw``) in a node of its own so that split backwards
+  (zero-bubble schedules, ours and torch's) run it separately. The stage time is fixed and uses no CPU, so a
+  2-core machine can host 4 or 8 stages and the measurement isolates the schedule and the runtime's own overheads
+  (Python, p2p, bookkeeping).
+* ``real``: the ``tiny`` SmolLM2 cut into contiguous slices of its pipeline units (real compute; each process
+  runs one thread).
 """
 
 from __future__ import annotations
@@ -26,31 +28,64 @@ SLEEP_WIDTH = 8  # features per sleep-stage activation (a tiny message: latency,
 
 
 # ---------------------------------------------------------------------------------------------- sleep stages
-class _Sleep(torch.autograd.Function):
+class _SleepInput(torch.autograd.Function):
+    """``x * w`` (``w`` detached): the forward sleeps ``tf``, the backward (the input gradient) ``ti``."""
+
     @staticmethod
-    def forward(ctx, x, w, tf: float, tb: float):
+    def forward(ctx, x, w, tf: float, ti: float):
         time.sleep(tf)
-        ctx.save_for_backward(x, w)
-        ctx.tb = tb
+        ctx.save_for_backward(w)
+        ctx.ti = ti
         return x * w
 
     @staticmethod
     def backward(ctx, grad):
+        (w,) = ctx.saved_tensors
+        time.sleep(ctx.ti)
+        return grad * w, None, None, None
+
+
+class _SleepWeight(torch.autograd.Function):
+    """Zero, but connected to ``w``: its backward is the weight gradient of ``x * w`` and sleeps ``tw``; while a
+    split backward is collecting (our runtime's ``I``) it is deferred to ``W``, like a linear layer's."""
+
+    @staticmethod
+    def forward(ctx, x, w, tw: float):
+        ctx.save_for_backward(x, w)
+        ctx.tw = tw
+        return torch.zeros_like(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from lightning_async.pipeline.weight_grad import accumulate_grad, collecting_now
+
         x, w = ctx.saved_tensors
-        time.sleep(ctx.tb)
-        return grad * w, (grad * x).sum().reshape(w.shape), None, None
+        tw = ctx.tw
+
+        def weight_grad() -> torch.Tensor:
+            time.sleep(tw)
+            return (grad * x).sum().reshape(w.shape)
+
+        collection = collecting_now()
+        if collection is None:
+            return None, weight_grad(), None
+        collection.defer(lambda: accumulate_grad(w, weight_grad()))
+        return None, None, None
 
 
 class SleepStage(nn.Module):
-    """Forward sleeps ``tf``, backward sleeps ``tb``; ``y = x * w`` with one scalar parameter."""
+    """``y = x * w`` with one scalar parameter; the forward sleeps ``tf``, the backward ``tb``: ``tb - tw`` for the
+    input gradient and ``tw`` for the weight gradient, as two autograd nodes, so both our split backward and
+    torch's (``torch.autograd.grad`` with respect to the inputs, then the weights) run each part alone."""
 
-    def __init__(self, tf: float, tb: float) -> None:
+    def __init__(self, tf: float, tb: float, tw: float | None = None) -> None:
         super().__init__()
         self.tf, self.tb = tf, tb
+        self.tw = tb / 2 if tw is None else tw
         self.w = nn.Parameter(torch.ones(1))
 
     def forward(self, x):
-        return _Sleep.apply(x, self.w, self.tf, self.tb)
+        return _SleepInput.apply(x, self.w.detach(), self.tf, self.tb - self.tw) + _SleepWeight.apply(x.detach(), self.w, self.tw)
 
 
 def mse_loss(y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -63,28 +98,34 @@ def split_identity(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @dataclass
 class Workload:
-    """Everything a rank needs to build its stage (fresh parameters for every schedule) and batches."""
+    """Everything a rank needs to build its pieces (fresh parameters for every schedule) and batches.
+
+    ``tf``/``tb``/``tw``: sleep stages' seconds per micro-batch for a *rank's* share (a schedule with ``v`` chunks
+    per rank gets ``p x v`` sleep units of ``1/v`` of it each). Real stages: the ``tiny`` SmolLM2 with ``layers``
+    blocks (default: enough for ``p x 2`` pieces).
+    """
 
     kind: str  # "sleep" or "real"
     p: int
     m: int
     tf: float = 0.0
     tb: float = 0.0
+    tw: float | None = None
     microbatch_size: int = 1
     seq_len: int = 64
+    layers: int | None = None
 
-    def build(self, stage: int):
-        """Return ``(units, named_params, tied_names)`` for ``stage``: units for ``StageModule``."""
+    def units(self, pieces: int) -> list[tuple[str, nn.Module]]:
+        """Fresh units for a split into ``pieces`` (sleep: one unit per piece; real: the model's units)."""
         if self.kind == "sleep":
-            unit = SleepStage(self.tf, self.tb)
-            return [("sleep", unit)], [("sleep.w", unit.w)], []
+            v = pieces // self.p
+            tw = None if self.tw is None else self.tw / v
+            return [(f"sleep{k}", SleepStage(self.tf / v, self.tb / v, tw)) for k in range(pieces)]
         from lightning_async.models import SmolLM2, model_config
-        from lightning_async.pipeline.stage import build_rank_stage
 
         torch.manual_seed(0)
-        model = SmolLM2(model_config("tiny"))
-        built = build_rank_stage([(f"model.{n}", u) for n, u in model.pipeline_units()], stage, num_stages=self.p)
-        return list(zip(built.module.unit_names, built.module.units)), built.named_parameters, built.tied
+        model = SmolLM2(model_config("tiny", num_layers=self.layers or max(4, 2 * self.p)))
+        return [(f"model.{n}", u) for n, u in model.pipeline_units()]
 
     def split(self):
         if self.kind == "sleep":
@@ -105,55 +146,6 @@ class Workload:
         if self.kind == "sleep":
             return torch.randn(self.m * self.microbatch_size, SLEEP_WIDTH, generator=g)
         return torch.randint(0, 257, (self.m * self.microbatch_size, self.seq_len + 1), generator=g)
-
-    def microbatch_input(self, stage: int, module: nn.Module) -> torch.Tensor:
-        """A representative input of ``stage`` for timing (activations from the previous stages)."""
-        inputs, _ = self.split()(self.batch(0))
-        x = inputs[: self.microbatch_size]
-        if self.kind == "sleep" or stage == 0:
-            return x
-        with torch.no_grad():
-            from lightning_async.models import SmolLM2, model_config
-
-            torch.manual_seed(0)
-            model = SmolLM2(model_config("tiny"))
-            units = dict(model.pipeline_units())
-            from lightning_async.pipeline.partition import partition_units
-
-            names = partition_units([(f"model.{n}", u) for n, u in model.pipeline_units()], self.p, "uniform")
-            for s in range(stage):
-                for n in names[s]:
-                    x = units[n.removeprefix("model.")](x)
-        return x
-
-
-def time_stage(work: Workload, stage: int, reps: int = 15) -> tuple[float, float]:
-    """Median forward and backward seconds of one micro-batch on this stage (real compute)."""
-    from lightning_async.pipeline.stage import StageModule
-
-    units, _, _ = work.build(stage)
-    module = StageModule(units)
-    x0 = work.microbatch_input(stage, module)
-    _, targets = work.split()(work.batch(0))
-    target = targets[: work.microbatch_size]
-    fwd, bwd = [], []
-    for i in range(reps + 3):
-        x = x0.detach().requires_grad_(x0.is_floating_point())
-        t0 = time.perf_counter()
-        y = module(x)
-        if stage == work.p - 1:
-            y = work.loss()(y, target)
-        t1 = time.perf_counter()
-        if stage == work.p - 1:
-            y.backward()
-        else:
-            y.backward(torch.ones_like(y))
-        t2 = time.perf_counter()
-        module.zero_grad(set_to_none=True)
-        if i >= 3:
-            fwd.append(t1 - t0)
-            bwd.append(t2 - t1)
-    return statistics.median(fwd), statistics.median(bwd)
 
 
 def ping_pong(shape, dtype=torch.float32, reps: int = 50, group=None) -> float:
@@ -181,6 +173,29 @@ def ping_pong(shape, dtype=torch.float32, reps: int = 50, group=None) -> float:
         if i >= 5:
             rtts.append(time.perf_counter() - t0)
     return statistics.median(rtts) / 2
+
+
+# ---------------------------------------------------------------------------------------------- process memory
+def rss_kib(field: str = "VmRSS") -> int | None:
+    """A field of ``/proc/self/status`` in KiB (``VmRSS`` now, ``VmHWM`` the peak); None off Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """Reset ``VmHWM`` to the current RSS (Linux >= 4.0, ``/proc/self/clear_refs``); False where it cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 # ---------------------------------------------------------------------------------------------- processes

@@ -1,20 +1,21 @@
-"""Memory per pipeline stage: synchronous 1F1B, PipeDream-2BW and 2BW + Error Feedback, measured and modelled.
+"""Memory per pipeline rank for every schedule (and 2BW with Error Feedback or activation checkpointing),
+measured and modelled.
 
 Two parts, one table each:
 
-* **measured** (default: the ``tiny`` SmolLM2, p=2 gloo processes on the CPU, AdamW): one fresh group of
-  processes per configuration (``1f1b``, ``2bw``, ``2bw+ef``). Each rank reads ``PipelineRuntime.memory_report()``
-  (weight versions, optimizer state, EF buffer), tracks the peak number of micro-batches in flight and the peak
-  bytes of live gradient buffers (slot ``.grad`` plus gradients waiting in a pending 2BW update) at every forward
-  and backward, and the process's peak RSS growth over the run (``VmHWM`` after resetting it through
-  ``/proc/self/clear_refs``; on CUDA ``torch.cuda.max_memory_allocated`` growth instead). Next to it, the theory
-  of ``timing.memory_model``: 2BW keeps one more weight version per stage, EF one parameter-sized buffer,
-  activations for the peak in-flight micro-batches of ``simulate`` (``p - s`` on stage ``s``), each the bytes
-  saved for backward by one micro-batch of that stage (counted with ``saved_tensors_hooks``).
+* **measured** (default: the ``tiny`` SmolLM2 with 4 blocks, p=2 gloo processes on the CPU, AdamW): one fresh group
+  of processes per configuration (every schedule, ``2bw+ef``, ``2bw+ckpt``), built with ``pipeline.rank.build_rank``
+  like the strategy. Each rank reads ``PipelineRuntime.memory_report()`` (weight versions, optimizer state, EF
+  buffer), measures the bytes one micro-batch of each of its chunks saves for the backward (``saved_tensors_hooks``),
+  and tracks at every action the peak of the activations in flight (every micro-batch forwarded and not yet
+  backwarded on a chunk, counted with that chunk's bytes, until its weight gradient when the backward is split),
+  the peak bytes of live gradient buffers, and the process's peak RSS growth (``VmHWM`` after resetting it; on CUDA
+  ``torch.cuda.max_memory_allocated`` growth instead). Next to it the model, ``timing.schedule_memory``: weight
+  versions, optimizer state, a gradient accumulator, EF's buffer, and the simulator's peak in-flight micro-batches.
 * **analytic** (``smollm2-135m`` and ``smollm2-360m`` at p in {4, 8}, m = 2p): ``measure.measure_model`` sizes one
   embedding, block and head (fp32, activations saved for backward per micro-batch, the head measured on 256
-  tokens and scaled), ``stage_costs_from_measurement`` splits the layers evenly, and ``memory_model`` gives the
-  per-stage totals with AdamW (2 fp32 states per parameter).
+  tokens and scaled), ``stage_costs_from_measurement`` splits the layers evenly, and ``schedule_memory`` gives the
+  per-rank totals of every schedule with AdamW (2 fp32 states per parameter).
 
 On the CPU, RSS is a rough witness only: the allocator keeps freed blocks, reuses them, and returns large ones to
 the OS at once, so the RSS growth does not resolve activation peaks of a few MiB; read the per-term columns.
@@ -37,46 +38,31 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _stages import reset_peak_rss, rss_kib  # noqa: E402
+
 
 from lightning_async.models import SmolLM2, model_config  # noqa: E402
 from lightning_async.models.objective import next_token_loss, split_next_token  # noqa: E402
 from lightning_async.optim import build_optimizer  # noqa: E402
 from lightning_async.optim import ErrorFeedback  # noqa: E402
-from lightning_async.pipeline.groups import make_pipeline_groups  # noqa: E402
+from lightning_async.pipeline import schedules  # noqa: E402
+from lightning_async.pipeline import stage as stage_module  # noqa: E402
 from lightning_async.pipeline.local import run_local  # noqa: E402
 from lightning_async.pipeline.partition import partition_units  # noqa: E402
-from lightning_async.pipeline import runtime as runtime_module  # noqa: E402
 from lightning_async.pipeline.boundary import flatten  # noqa: E402
-from lightning_async.pipeline.runtime import PipelineRuntime  # noqa: E402
-from lightning_async.pipeline.stage import StageModule, build_rank_stage  # noqa: E402
+from lightning_async.pipeline.rank import build_rank  # noqa: E402
+from lightning_async.pipeline.stage import StageModule  # noqa: E402
 from lightning_async.pipeline.measure import SavedTensorBytes, measure_model  # noqa: E402
-from lightning_async.pipeline.timing import memory_model, simulate  # noqa: E402
+from lightning_async.pipeline.timing import schedule_memory  # noqa: E402
 from lightning_async.tools.stage_costs import stage_costs_from_measurement  # noqa: E402
 
 # config -> (schedule, EF strength, activation checkpointing)
-CONFIGS = {"1f1b": ("1f1b", None, False), "2bw": ("2bw", None, False), "2bw+ef": ("2bw", 1.0, False), "2bw+ckpt": ("2bw", None, True)}
+CONFIGS = {
+    "1f1b": ("1f1b", None, False), "gpipe": ("gpipe", None, False), "zbh1": ("zbh1", None, False),
+    "interleaved": ("interleaved", None, False), "zbv": ("zbv", None, False), "2bw": ("2bw", None, False),
+    "2bw+ef": ("2bw", 1.0, False), "2bw+ckpt": ("2bw", None, True),
+}
 MIB = 2**20
-
-
-# ------------------------------------------------------------------------------------------------ process memory
-def _status_kib(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
-def _reset_peak_rss() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
-        return True
-    except OSError:
-        return False
 
 
 def _nbytes(tensors) -> int:
@@ -95,15 +81,22 @@ def spawn(world: int, cfg: dict, timeout: float = 600.0) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------------------ the stage
-def build_model_stage(model_name: str, p: int, stage: int):
+def model_units(model_name: str):
     torch.manual_seed(0)
     model = SmolLM2(model_config(model_name))
-    units = [(f"model.{n}", u) for n, u in model.pipeline_units()]
-    names = partition_units(units, p, "uniform")
-    built = build_rank_stage(units, stage, names)
-    module, named, tied = built.module, built.named_parameters, built.tied
-    # A representative input of this stage: the previous stages' output on the first micro-batch.
-    return module, named, tied, [u for n, u in units if n in {x for s in range(stage) for x in names[s]}], model
+    return model, [(f"model.{n}", u) for n, u in model.pipeline_units()]
+
+
+def chunk_inputs(units, stage_units, pieces: list[int], inputs, device) -> list:
+    """Each piece's input for one micro-batch: the earlier pieces' output (no gradients)."""
+    by_name = dict(units)
+    out, x = {}, inputs
+    with torch.no_grad():
+        for k, names in enumerate(stage_units):
+            out[k] = x
+            for n in names:
+                x = by_name[n].to(device)(x)
+    return [out[k] for k in pieces]
 
 
 def activation_bytes(
@@ -116,21 +109,21 @@ def activation_bytes(
     """
     if x.is_floating_point():
         x = x.detach().requires_grad_(True)
-    real_checkpoint = runtime_module.checkpoint
+    real_checkpoint = stage_module.checkpoint
 
     def counting_checkpoint(fn, unit, weights, value, *args, **kwargs):
         for leaf in flatten(value)[0]:
             counter._pack(leaf)  # the checkpoint holds the unit's input until the recompute
         return real_checkpoint(fn, unit, weights, value, *args, **kwargs)
 
-    runtime_module.checkpoint = counting_checkpoint
+    stage_module.checkpoint = counting_checkpoint
     try:
         with SavedTensorBytes(module.parameters()) as counter:
             y = module(x, context=context, recompute=recompute)
             if last:
                 y = next_token_loss(y, targets)
     finally:
-        runtime_module.checkpoint = real_checkpoint
+        stage_module.checkpoint = real_checkpoint
     del y
     return counter.total
 
@@ -139,75 +132,81 @@ def measured_worker(cfg: dict) -> dict:
     rank, p = dist.get_rank(), cfg["p"]
     device = torch.device(cfg["device"], rank) if cfg["device"] == "cuda" else torch.device("cpu")
     schedule, ef, recompute = CONFIGS[cfg["config"]]
-    module, named, tied, before, model = build_model_stage(cfg["model"], p, rank)
+    spec = schedules.spec(schedule)
+    model, units = model_units(cfg["model"])
     shape, context_fn = model.config, model.pipeline_context
-    module.to(device)
+    stage_units = partition_units(units, spec.virtual_stages(p), "uniform")
     g = torch.Generator().manual_seed(1)
     batches = [
         torch.randint(0, shape.vocab_size, (cfg["m"] * cfg["micro_batch"], cfg["seq_len"] + 1), generator=g).to(device)
         for _ in range(cfg["steps"])
     ]
     inputs, targets = split_next_token(batches[0][: cfg["micro_batch"]])
-    with torch.no_grad():
-        x = inputs
-        for unit in before:
-            x = unit.to(device)(x)
-    act = activation_bytes(module, x, targets, rank == p - 1, context_fn(inputs), recompute)
-    del x
-    opt = build_optimizer("adamw", named, lr=1e-3, weight_decay=0.1)
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base_alloc = torch.cuda.memory_allocated(device)
-    rss0 = _status_kib("VmRSS")
-    hwm_reset = _reset_peak_rss()
-    groups = make_pipeline_groups(rank, dist.get_world_size(), p)
-    runtime = PipelineRuntime(
-        module, opt, schedule, cfg["m"], split_next_token, next_token_loss, groups,
-        correction=None if ef is None else ErrorFeedback(ef),
-        tied_parameters=tied, count_tied_in_norm=rank == 0, autocast=contextlib.nullcontext, device=device,
+    pieces = [spec.piece(rank, c, p) for c in range(spec.chunks)]
+    firsts = chunk_inputs(units, stage_units, pieces, inputs, device)
+    measure = {}
+
+    def make_optimizer(stage):
+        stage.module.to(device)
+        last = spec.virtual_stages(p) - 1
+        measure["act"] = [activation_bytes(chunk, x, targets, k == last, context_fn(inputs), recompute)
+                          for chunk, x, k in zip(stage.chunks, firsts, pieces)]
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            measure["base_alloc"] = torch.cuda.memory_allocated(device)
+        measure["rss0"] = rss_kib("VmRSS")
+        measure["hwm_reset"] = reset_peak_rss()
+        return build_optimizer("adamw", stage.named_parameters, lr=1e-3, weight_decay=0.1)
+
+    built = build_rank(
+        units, spec, cfg["m"], split_next_token, next_token_loss, make_optimizer, rank=rank,
+        world_size=dist.get_world_size(), pipeline_parallel_size=p, stage_units=stage_units,
+        correction=None if ef is None else ErrorFeedback(ef), autocast=contextlib.nullcontext, device=device,
         context_fn=context_fn, activation_checkpointing=recompute,
     )
-    peak = {"inflight": 0, "grads": 0}
+    runtime, act = built.runtime, measure["act"]
+    peak = {"inflight": 0, "activations": 0, "grads": 0}
 
     def sample():
-        peak["inflight"] = max(peak["inflight"], len(runtime._inflight))
+        held = list(runtime._inflight) + list(runtime._deferred)  # (chunk, mb): forwarded, weight gradient not done
+        peak["inflight"] = max(peak["inflight"], len(held))
+        peak["activations"] = max(peak["activations"], sum(act[c] for c, _ in held))
         grads = [t.grad for slot in runtime.slots for t in slot]
         grads += [x for pending in runtime._pending.values() for x in pending.grads]
         peak["grads"] = max(peak["grads"], _nbytes(grads))
 
-    forward, backward = runtime._forward, runtime._backward
+    def spied(fn):
+        def spy(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            sample()
+            return out
+        return spy
 
-    def spy_forward(*args, **kwargs):
-        y = forward(*args, **kwargs)
-        sample()
-        return y
-
-    def spy_backward(*args, **kwargs):
-        dx = backward(*args, **kwargs)
-        sample()
-        return dx
-
-    runtime._forward, runtime._backward = spy_forward, spy_backward
+    runtime._forward, runtime._backward = spied(runtime._forward), spied(runtime._backward)
+    runtime._weight_grad = spied(runtime._weight_grad)
     t0 = time.perf_counter()
     for b, batch in enumerate(batches):
         runtime.train_batch(batch)
         sample()
-        if schedule != "2bw" or b > 0:
-            runtime.collect_loss(b - 1 if schedule == "2bw" else b)
-    hwm = _status_kib("VmHWM")
+        if b >= spec.loss_lag:
+            runtime.collect_loss(b - spec.loss_lag)
+    hwm = rss_kib("VmHWM")
     runtime.drain()
-    if schedule == "2bw":
+    if spec.loss_lag:
         runtime.collect_loss(len(batches) - 1)
     elapsed = time.perf_counter() - t0
-    out = dict(runtime.memory_report(), stage=rank, activation_bytes_per_microbatch=act)
+    rss0 = measure["rss0"]
+    out = dict(runtime.memory_report(), stage=rank, activation_bytes_per_chunk=act,
+               activation_bytes_per_microbatch=sum(act))
     out["peak_inflight_microbatches"] = peak["inflight"]
+    out["peak_activation_bytes"] = peak["activations"]
     out["peak_gradient_bytes"] = peak["grads"]
     out["rss_base_bytes"] = (rss0 or 0) * 1024
-    out["rss_peak_delta_bytes"] = (hwm - rss0) * 1024 if (hwm_reset and hwm and rss0) else None
+    out["rss_peak_delta_bytes"] = (hwm - rss0) * 1024 if (measure["hwm_reset"] and hwm and rss0) else None
     if device.type == "cuda":
-        out["cuda_peak_delta_bytes"] = torch.cuda.max_memory_allocated(device) - base_alloc
+        out["cuda_peak_delta_bytes"] = torch.cuda.max_memory_allocated(device) - measure["base_alloc"]
     out["seconds"] = elapsed
     return out
 
@@ -217,33 +216,34 @@ def measured(args) -> list[dict]:
     for config in args.configs:
         cfg = dict(model=args.model, p=args.p, m=args.m, micro_batch=args.micro_batch, seq_len=args.seq_len,
                    steps=args.steps, config=config, device=args.device)
-        schedule, *_ = CONFIGS[config]
-        sim = simulate(schedule, args.p, args.m, num_batches=max(args.steps, 3))
+        schedule, ef, _ = CONFIGS[config]
         ranks = spawn(args.p, cfg)
+        spec = schedules.spec(schedule)
+        piece_bytes = [0] * spec.virtual_stages(args.p)
         for r in ranks:
-            s = r["stage"]
-            (theory,) = memory_model(
-                r["parameters"], r["optimizer_state"], r["activation_bytes_per_microbatch"],
-                inflight_sync=[sim.peak_inflight[s]], inflight_2bw=[sim.peak_inflight[s]],
-            )
-            total_model = theory.sync if schedule == "1f1b" else theory.twobw_ef if config == "2bw+ef" else theory.twobw
-            versions = 2 if schedule == "2bw" else 1
-            accounted = (
-                r["weight_versions"] + r["optimizer_state"] + r["correction"] + r["peak_gradient_bytes"]
-                + r["peak_inflight_microbatches"] * r["activation_bytes_per_microbatch"]
-            )
+            for c, nbytes in enumerate(r["activation_bytes_per_chunk"]):
+                piece_bytes[spec.piece(r["stage"], c, args.p)] = nbytes
+        model = schedule_memory(
+            schedule, args.p, args.m, [r["parameters"] for r in ranks], [r["optimizer_state"] for r in ranks],
+            piece_bytes if spec.chunks > 1 else [r["activation_bytes_per_microbatch"] for r in ranks],
+            correction_buffers=1 if ef else 0,
+        )
+        for r, theory in zip(ranks, model):
+            accounted = (r["weight_versions"] + r["optimizer_state"] + r["correction"] + r["peak_gradient_bytes"]
+                         + r["peak_activation_bytes"])
             rows.append(dict(
-                r, config=config, sim_peak_inflight=sim.peak_inflight[s],
-                theory_weight_versions=versions * r["parameters"],
-                theory_error_feedback=r["parameters"] if config == "2bw+ef" else 0,
-                theory_gradient_bytes=theory.grads,
-                theory_activations=theory.activations_sync,
-                theory_total=total_model, accounted_total=accounted,
+                r, config=config, sim_peak_inflight=theory["inflight_microbatches"] * schedules.spec(schedule).chunks,
+                theory_weight_versions=theory["weights"], theory_error_feedback=theory["correction"],
+                theory_gradient_bytes=theory["gradients"], theory_activations=theory["activations"],
+                theory_total=theory["total"], accounted_total=accounted,
             ))
     return rows
 
 
 # ------------------------------------------------------------------------------------------------ analytic
+ANALYTIC_SCHEDULES = ("1f1b", "zbh1", "interleaved", "zbv", "2bw")
+
+
 def analytic(args) -> list[dict]:
     rows = []
     for name in args.analytic_models:
@@ -252,21 +252,18 @@ def analytic(args) -> list[dict]:
         for p in args.analytic_stages:
             m = 2 * p
             costs = stage_costs_from_measurement(meas, p, optimizer_states=2)
-            sims = {s: simulate(s, p, m, num_batches=4) for s in ("1f1b", "2bw")}
-            mem = memory_model(
-                costs["param_bytes"], costs["optimizer_bytes"], costs["activation_bytes"],
-                inflight_sync=sims["1f1b"].peak_inflight, inflight_2bw=sims["2bw"].peak_inflight,
-            )
-            for s, x in enumerate(mem):
+            per = {s: schedule_memory(s, p, m, costs["param_bytes"], costs["optimizer_bytes"], costs["activation_bytes"])
+                   for s in ANALYTIC_SCHEDULES}
+            ef = schedule_memory("2bw", p, m, costs["param_bytes"], costs["optimizer_bytes"], costs["activation_bytes"],
+                                 correction_buffers=1)
+            for r in range(p):
                 rows.append(dict(
-                    model=name, p=p, m=m, stage=s, layers=costs["layers"][s], params=costs["params"][s],
-                    param_bytes=x.params, optimizer_bytes=x.optimizer, grad_bytes=x.grads,
-                    activation_bytes_per_microbatch=costs["activation_bytes"][s],
-                    inflight_1f1b=sims["1f1b"].peak_inflight[s], inflight_2bw=sims["2bw"].peak_inflight[s],
-                    activations_1f1b=x.activations_sync, activations_2bw=x.activations_2bw,
-                    total_1f1b=x.sync, total_2bw=x.twobw, total_2bw_ef=x.twobw_ef,
-                    # the runtime as written holds batch b's gradients (pending until call b + 2) next to b + 1's
-                    total_2bw_runtime=x.twobw + x.grads, total_2bw_ef_runtime=x.twobw_ef + x.grads,
+                    model=name, p=p, m=m, stage=r, layers=costs["layers"][r], params=costs["params"][r],
+                    param_bytes=costs["param_bytes"][r], optimizer_bytes=costs["optimizer_bytes"][r],
+                    activation_bytes_per_microbatch=costs["activation_bytes"][r],
+                    **{f"inflight_{s}": per[s][r]["inflight_microbatches"] for s in ANALYTIC_SCHEDULES},
+                    **{f"total_{s}": per[s][r]["total"] for s in ANALYTIC_SCHEDULES},
+                    total_2bw_ef=ef[r]["total"],
                 ))
     return rows
 
@@ -282,20 +279,20 @@ def _gib(n) -> str:
 
 def measured_table(rows: list[dict], cuda: bool) -> str:
     peak_col = "CUDA peak Δ MiB" if cuda else "RSS peak Δ MiB"
-    head = ("config", "stage", "params MiB", "versions MiB meas / theory", "EF MiB meas / theory", "AdamW MiB",
-            "grads peak MiB meas / model", "in-flight meas / sim", "act / µb MiB", "total MiB accounted / model",
-            peak_col)
+    head = ("config", "rank", "params MiB", "versions MiB meas / model", "EF MiB meas / model", "AdamW MiB",
+            "grads peak MiB meas / model", "in-flight µb meas / sim", "activations peak MiB meas / model",
+            "total MiB accounted / model", peak_col)
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         peak = r.get("cuda_peak_delta_bytes") if cuda else r["rss_peak_delta_bytes"]
         lines.append("| " + " | ".join([
             r["config"], str(r["stage"]), _mib(r["parameters"]),
             f"{_mib(r['weight_versions'])} / {_mib(r['theory_weight_versions'])}",
-            f"{_mib(r['error_feedback'])} / {_mib(r['theory_error_feedback'])}",
+            f"{_mib(r['correction'])} / {_mib(r['theory_error_feedback'])}",
             _mib(r["optimizer_state"]),
             f"{_mib(r['peak_gradient_bytes'])} / {_mib(r['theory_gradient_bytes'])}",
-            f"{r['peak_inflight_microbatches']} / {r['sim_peak_inflight']}",
-            _mib(r["activation_bytes_per_microbatch"]),
+            f"{r['peak_inflight_microbatches']} / {r['sim_peak_inflight']:g}",
+            f"{_mib(r['peak_activation_bytes'])} / {_mib(r['theory_activations'])}",
             f"{_mib(r['accounted_total'])} / {_mib(r['theory_total'])}",
             _mib(peak),
         ]) + " |")
@@ -322,18 +319,15 @@ def checkpointing_table(rows: list[dict], tokens: int) -> str:
 
 
 def analytic_table(rows: list[dict]) -> str:
-    head = ("model", "p (m=2p)", "stage", "layers", "params M", "weights GiB", "AdamW GiB", "act / µb GiB",
-            "in-flight", "1f1b GiB", "2bw GiB", "2bw+EF GiB", "2bw / 1f1b", "2bw+EF / 1f1b",
-            "2bw+EF as run GiB")
+    head = ("model", "p (m=2p)", "rank", "layers", "params M", "weights GiB", "AdamW GiB", "act / µb GiB",
+            *(f"{s} GiB (in-flight)" for s in ANALYTIC_SCHEDULES), "2bw+EF GiB", "2bw / 1f1b", "zbv / 1f1b")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         lines.append("| " + " | ".join([
             r["model"], str(r["p"]), str(r["stage"]), str(r["layers"]), f"{r['params'] / 1e6:.1f}",
             _gib(r["param_bytes"]), _gib(r["optimizer_bytes"]), f"{r['activation_bytes_per_microbatch'] / 2**30:.3f}",
-            f"{r['inflight_1f1b']}" + ("" if r["inflight_1f1b"] == r["inflight_2bw"] else f"/{r['inflight_2bw']}"),
-            _gib(r["total_1f1b"]), _gib(r["total_2bw"]), _gib(r["total_2bw_ef"]),
-            f"{r['total_2bw'] / r['total_1f1b']:.3f}", f"{r['total_2bw_ef'] / r['total_1f1b']:.3f}",
-            _gib(r["total_2bw_ef"] + r["grad_bytes"]),
+            *(f"{_gib(r[f'total_{s}'])} ({r[f'inflight_{s}']:g})" for s in ANALYTIC_SCHEDULES),
+            _gib(r["total_2bw_ef"]), f"{r['total_2bw'] / r['total_1f1b']:.3f}", f"{r['total_zbv'] / r['total_1f1b']:.3f}",
         ]) + " |")
     return "\n".join(lines)
 
@@ -378,7 +372,7 @@ def main() -> None:
     if args.analytic_models:
         rows = analytic(args)
         result["analytic"] = rows
-        print(f"\nAnalytic (memory_model; fp32 weights and activations, AdamW, micro-batch "
+        print(f"\nAnalytic (schedule_memory; fp32 weights and activations, AdamW, micro-batch "
               f"{args.analytic_micro_batch} x {args.analytic_seq_len}, m = 2p)\n")
         print(analytic_table(rows))
     result["seconds"] = time.perf_counter() - t0

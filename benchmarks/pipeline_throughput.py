@@ -1,24 +1,31 @@
-"""Pipeline throughput: our 2BW / 1F1B / GPipe runtime against ``torch.distributed.pipelining.Schedule1F1B``.
+"""Pipeline throughput: every schedule of our runtime beside ``torch.distributed.pipelining``'s, in one run.
 
-For each configuration one group of gloo processes (one per stage, one thread each) runs, on the same stage
-modules, in turn: ``torch``'s ``Schedule1F1B`` (with ``PipelineStage``), our ``1f1b``, ``gpipe`` and ``2bw``.
-Every schedule gets a fresh copy of the stages and its own optimizer (AdamW), ``warmup`` batches, then ``N``
-timed batches and a drain (2BW) or nothing (the flushing schedules end each batch empty). Rank 0 takes the wall
-time from the end of batch ``warmup - 1`` to the end of the drain (``batches/s``); ``steady`` leaves the drain out.
+For each configuration one group of gloo processes (one per stage, one thread each) runs, on fresh copies of the
+same pieces, in turn (interleaved rounds, so a drift in machine load hits every schedule alike):
 
-Configurations:
+* ours: ``1f1b``, ``gpipe``, ``2bw``, ``zbh1``, ``interleaved`` (2 chunks per stage), ``zbv``; a ``-fused`` suffix
+  runs our runtime without pre-posted receives (the fused send/receive groups NCCL runs);
+* torch's, as anchors: ``torch-1F1B`` (``Schedule1F1B``), ``torch-Interleaved1F1B`` (2 chunks per stage),
+  ``torch-ZB1P`` (``ScheduleInterleavedZeroBubble`` on 1 chunk per stage: ZB-H1), ``torch-ZBV``
+  (``ScheduleZBVZeroBubble``) and ``torch-DualPipeV`` (``ScheduleDualPipeV``), each with a correct user's
+  additions around ``step()`` (the tied-embedding gradient sum, the optimizer step, the loss shared with every rank).
 
-* ``real:P:M``: the ``tiny`` SmolLM2 cut into ``P`` stages (real compute);
-* ``sleep:P:M``: stages whose forward / backward sleep ``--tf`` / ``--tb`` seconds on a tiny tensor (isolates
-  the schedule and the runtime's overheads on a machine with fewer cores than stages).
+Every schedule gets its own optimizer (AdamW), ``warmup`` batches, then ``N`` timed batches and a drain (2BW) or
+nothing (the flushing schedules end each batch empty). Rank 0 takes the wall time from the end of batch
+``warmup - 1`` to the end of the drain.
 
-Efficiency is the bubble-free time ``max_s m (tf_s + tb_s)`` per batch divided by the measured time per batch.
-The prediction is :func:`lightning_async.pipeline.timing.simulate_lists` over the same action lists and the
-same window, with the stage times (known for sleep stages, timed on each rank before the run for real ones), the
-measured one-hop p2p latency and the measured optimizer step. Each rank also splits its time into compute,
-p2p waits, updates and the rest (runtime Python), to show where time goes.
+Configurations: ``sleep:P:M`` (stages whose forward / input-gradient / weight-gradient sleep ``--tf`` / ``--tb -
+--tw`` / ``--tw`` seconds per micro-batch for a stage's share: no CPU used, so a 2-core machine hosts 4 or 8 stages
+and the measurement isolates the schedules and the runtimes' overheads) and ``real:P:M`` (the ``tiny`` SmolLM2
+with ``2P`` blocks: real compute, which on a machine with fewer cores than stages also measures the contention).
 
-    python benchmarks/pipeline_throughput.py --breakdown --json runs/pipeline_throughput.json
+Columns: efficiency = the bubble-free time ``max_s m (tf + tb)`` per batch over the measured one; the timing
+model's prediction (``timing.simulate_lists`` over the same action lists and window, with the forward, input- and
+weight-gradient times each rank measured of itself in the run, and the measured hop latency); the ratio to torch's
+equivalent schedule; the peak RSS growth of the worst rank over the timed window (a rough witness of activation
+memory on the CPU: see ``benchmarks/memory.py`` for the per-term accounting).
+
+    python benchmarks/pipeline_throughput.py --configs sleep:4:4,sleep:4:8,sleep:4:16 --json runs/throughput.json
 """
 
 from __future__ import annotations
@@ -37,73 +44,73 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _stages import SLEEP_WIDTH, Workload, p2p_probe, ping_pong, spawn, time_stage  # noqa: E402
+from _stages import SLEEP_WIDTH, Workload, p2p_probe, ping_pong, reset_peak_rss, rss_kib, spawn  # noqa: E402
 
 from lightning_async.optim import build_optimizer  # noqa: E402
 from lightning_async.pipeline import schedules as S  # noqa: E402
-from lightning_async.pipeline.groups import make_pipeline_groups  # noqa: E402
-from lightning_async.pipeline.runtime import PipelineRuntime  # noqa: E402
-from lightning_async.pipeline.stage import StageModule  # noqa: E402
-from lightning_async.pipeline.timing import predict, simulate_lists  # noqa: E402
+from lightning_async.pipeline.partition import partition_units  # noqa: E402
+from lightning_async.pipeline.rank import build_rank  # noqa: E402
+from lightning_async.pipeline.stage import build_rank_stage  # noqa: E402
+from lightning_async.pipeline.timing import simulate_lists  # noqa: E402
 
-TORCH = "torch-1F1B"
-ORDER = (TORCH, "1f1b", "gpipe", "2bw", "1f1b-fused", "2bw-fused")
-DEFAULT_SCHEDULES = ORDER[:4]
 FUSED = "-fused"  # our runtime without pre-posted receives: the fused send/receive groups NCCL runs
+OURS = ("1f1b", "gpipe", "2bw", "zbh1", "interleaved", "zbv")
+# torch's schedules: class name, chunks per stage, placement, our equivalent
+TORCH = {
+    "torch-1F1B": ("Schedule1F1B", 1, S.LOOP, "1f1b"),
+    "torch-Interleaved1F1B": ("ScheduleInterleaved1F1B", 2, S.LOOP, "interleaved"),
+    "torch-ZB1P": ("ScheduleInterleavedZeroBubble", 1, S.LOOP, "zbh1"),
+    "torch-ZBV": ("ScheduleZBVZeroBubble", 2, S.V_SHAPE, "zbv"),
+    "torch-DualPipeV": ("ScheduleDualPipeV", 2, S.V_SHAPE, None),
+}
+ORDER = (*OURS, *(f"{s}{FUSED}" for s in ("1f1b", "2bw", "zbv")), *TORCH)
+DEFAULT_SCHEDULES = (*OURS, *TORCH)
 
 
 def base_schedule(name: str) -> str:
-    """The schedule a row runs: ``torch-1F1B`` is a 1F1B, ``2bw-fused`` a 2BW."""
-    return "1f1b" if name == TORCH else name.removesuffix(FUSED)
+    """The schedule whose action lists a row's timing is predicted with (torch's rows: our equivalent)."""
+    if name in TORCH:
+        return TORCH[name][3]
+    return name.removesuffix(FUSED)
 
 
 # ---------------------------------------------------------------------------------------------- timing helpers
 class Clock:
-    """Accumulates seconds per category on one rank."""
+    """Seconds per category on one rank, and the ``(kind, chunk, micro-batch, start, end)`` of every action."""
 
     def __init__(self) -> None:
         self.t: dict[str, float] = {}
-        self.n: dict[str, int] = {}
-        self.events: list[tuple[str, int, float, float]] = []
-        self.active: set[str] = set()
+        self.events: list[tuple[str, int, int, float, float]] = []
 
     def wrap(self, name: str, fn):
-        """``fn`` timed under ``name``; a call made while ``name`` is already being timed is not counted twice."""
-
         @functools.wraps(fn)
         def timed(*args, **kwargs):
-            if name in self.active:
-                return fn(*args, **kwargs)
-            self.active.add(name)
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.active.discard(name)
                 self.t[name] = self.t.get(name, 0.0) + time.perf_counter() - t0
-                self.n[name] = self.n.get(name, 0) + 1
 
         return timed
 
     def trace(self, kind: str, fn):
-        """Like :meth:`wrap`, and also records ``(kind, microbatch, start, end)`` for ``fn(microbatch, ...)``."""
+        """``fn(chunk, microbatch, ...)`` timed, with its event recorded (``I`` for a split backward)."""
 
         @functools.wraps(fn)
-        def timed(mb, *args, **kwargs):
+        def timed(chunk, mb, *args, **kwargs):
             t0 = time.perf_counter()
             try:
-                return fn(mb, *args, **kwargs)
+                return fn(chunk, mb, *args, **kwargs)
             finally:
                 t1 = time.perf_counter()
-                self.t[kind] = self.t.get(kind, 0.0) + t1 - t0
-                self.n[kind] = self.n.get(kind, 0) + 1
-                self.events.append((kind, mb, t0, t1))
+                label = "I" if kind == "B" and kwargs.get("split") else kind
+                self.t[label] = self.t.get(label, 0.0) + t1 - t0
+                self.events.append((label, chunk, mb, t0, t1))
 
         return timed
 
     def reset(self) -> None:
         self.t.clear()
-        self.n.clear()
         self.events = []
 
 
@@ -111,84 +118,91 @@ def _optimizer(named):
     return build_optimizer("adamw", named, lr=1e-4, weight_decay=0.1)
 
 
-def _opt_step_time(work: Workload, stage: int, reps: int = 10) -> float:
-    _, named, _ = work.build(stage)
-    opt = _optimizer(named)
-    for _, q in named:
-        q.grad = torch.randn_like(q)
-    times = []
-    for i in range(reps + 2):
-        t0 = time.perf_counter()
-        opt.step()
-        if i >= 2:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _stage_units(work: Workload, units, pieces: int) -> list[list[str]]:
+    return partition_units(units, pieces, "uniform")
 
 
 # ---------------------------------------------------------------------------------------------- one schedule
-def _run_ours(work: Workload, name: str, groups, batches, warm: int, clock: Clock) -> list[float]:
-    stage, schedule = groups.stage, base_schedule(name)
-    units, named, tied = work.build(stage)
-    module = StageModule(units)
-    rt = PipelineRuntime(
-        module, _optimizer(named), schedule, work.m, work.split(), work.loss(), groups,
-        tied_parameters=tied, count_tied_in_norm=stage == 0,
-    )
+def _timed_loop(batches, warm: int, step, finish) -> tuple[list[float], float, float]:
+    """Run ``step(b, batch)`` for every batch and ``finish()``; the end time of each, and the window's start and
+    peak RSS growth (KiB)."""
+    marks = []
+    for b, batch in enumerate(batches):
+        if b == warm:
+            start, base = time.perf_counter(), rss_kib("VmRSS")
+            reset_peak_rss()
+        step(b, batch)
+        marks.append(time.perf_counter())
+    finish()
+    marks.append(time.perf_counter())
+    peak = rss_kib("VmHWM")
+    return marks, start, (peak - base) if peak is not None and base is not None else float("nan")
+
+
+def _run_ours(work: Workload, name: str, batches, warm: int, clock: Clock) -> dict:
+    spec = S.spec(base_schedule(name))
+    rank, p = dist.get_rank(), work.p
+    units = work.units(spec.virtual_stages(p))
+    built = build_rank(units, spec, work.m, work.split(), work.loss(), lambda st: _optimizer(st.named_parameters),
+                       rank=rank, world_size=p, pipeline_parallel_size=p, stage_units=_stage_units(work, units, spec.virtual_stages(p)))
+    rt = built.runtime
     rt.transport.prepost_enabled = rt.transport.prepost_enabled and not name.endswith(FUSED)
-    rt._forward = clock.trace("forward", rt._forward)
-    rt._backward = clock.trace("backward", rt._backward)
+    rt._forward = clock.trace("F", rt._forward)
+    rt._backward = clock.trace("B", rt._backward)
+    rt._weight_grad = clock.trace("W", rt._weight_grad)
     rt._begin_update = clock.wrap("update", rt._begin_update)
     rt._apply_update = clock.wrap("update", rt._apply_update)
-    rt.transport.exchange = clock.wrap("p2p", rt.transport.exchange)
-    rt.transport.receive = clock.wrap("p2p", rt.transport.receive)
-    rt.transport._send_header = clock.wrap("header", rt.transport._send_header)
-    rt.transport._receive_header = clock.wrap("header", rt.transport._receive_header)
-    rt.collect_loss = clock.wrap("loss", rt.collect_loss)
-    marks = []
-    for b, batch in enumerate(batches):
+
+    def step(b, batch):
         if b == warm:
             clock.reset()
-            start = time.perf_counter()
         rt.train_batch(batch)
-        report = b - 1 if schedule == "2bw" else b
-        if report >= 0:
-            rt.collect_loss(report)
-        marks.append(time.perf_counter())
-    rt.drain()
-    if schedule == "2bw":
-        rt.collect_loss(len(batches) - 1)
-    marks.append(time.perf_counter())
-    clock.t["total"] = marks[-1] - start
-    return marks
+        if b >= spec.loss_lag:
+            rt.collect_loss(b - spec.loss_lag)
+
+    def finish():
+        rt.drain()
+        if spec.loss_lag:
+            rt.collect_loss(len(batches) - 1)
+
+    marks, start, rss = _timed_loop(batches, warm, step, finish)
+    return {"marks": marks, "start": start, "rss_kib": rss, "in_flight_peak": None}
 
 
-def _run_torch(work: Workload, groups, batches, warm: int, clock: Clock) -> list[float]:
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+def _run_torch(work: Workload, name: str, groups, batches, warm: int, clock: Clock) -> dict:
+    import torch.distributed.pipelining as pipelining
+    from torch.distributed.pipelining import PipelineStage
 
-    stage, p = groups.stage, groups.num_stages
-    units, named, tied = work.build(stage)
-    module = StageModule(units)
-    pstage = PipelineStage(module, stage, p, torch.device("cpu"), group=groups.p2p)
-    sched = Schedule1F1B(pstage, work.m, loss_fn=work.loss())
-    opt = _optimizer(named)
-    tied_params = [q for n, q in module.named_parameters() if n in tied]
+    cls_name, v, placement, _ = TORCH[name]
+    rank, p = groups.stage, groups.num_stages
+    spec = S.ScheduleSpec(name, False, 1, True, 0, 0, chunks=v, placement=placement)  # (placement arithmetic only)
+    pieces = p * v
+    units = work.units(pieces)
+    split_units = _stage_units(work, units, pieces)
+    built = build_rank_stage(units, rank, split_units, schedule=spec)
+    chunks = built.chunks
+    stages = [
+        PipelineStage(chunk, spec.piece(rank, c, p), pieces, torch.device("cpu"), group=groups.p2p)
+        for c, chunk in enumerate(chunks)
+    ]
+    cls = getattr(pipelining.schedules, cls_name)
+    sched = cls(stages if v > 1 or cls_name != "Schedule1F1B" else stages[0], work.m, loss_fn=work.loss())
+    opt = _optimizer(built.named_parameters)
+    tied = dict(built.module.named_parameters())
+    tied_params = [tied[n] for n in built.tied]
+    holds_first = any(spec.piece(rank, c, p) == 0 for c in range(v))
+    holds_last = any(spec.piece(rank, c, p) == pieces - 1 for c in range(v))
     split = work.split()
-    marks = []
-    for b, batch in enumerate(batches):
-        if b == warm:
-            clock.reset()
-            start = time.perf_counter()
+
+    def step(b, batch):
         inputs, targets = split(batch)
         t0 = time.perf_counter()
         losses: list = []
-        if stage == 0:
-            sched.step(inputs)
-        elif stage == p - 1:
-            sched.step(target=targets, losses=losses)
-        else:
-            sched.step()
+        args = (inputs,) if holds_first else ()
+        kwargs = dict(target=targets, losses=losses) if holds_last else {}
+        sched.step(*args, **kwargs)
         t1 = time.perf_counter()
-        # What a correct user adds around Schedule1F1B (our runtime does the same inside): sum the tied
+        # What a correct user adds around torch's schedules (our runtime does the same inside): sum the tied
         # embedding's gradient over first and last stage, step, and share the last stage's loss with every rank.
         if tied_params and groups.tied is not None:
             for q in tied_params:
@@ -197,174 +211,119 @@ def _run_torch(work: Workload, groups, batches, warm: int, clock: Clock) -> list
         opt.zero_grad(set_to_none=True)
         loss = torch.stack([x.detach().float() for x in losses]).mean() if losses else torch.zeros(())
         dist.all_reduce(loss, group=groups.metrics)
-        t2 = time.perf_counter()
         clock.t["step"] = clock.t.get("step", 0.0) + t1 - t0
-        clock.t["update"] = clock.t.get("update", 0.0) + t2 - t1
-        marks.append(time.perf_counter())
-    marks.append(time.perf_counter())  # no drain: every step flushes
-    clock.t["total"] = marks[-1] - start
-    return marks
+        clock.t["update"] = clock.t.get("update", 0.0) + time.perf_counter() - t1
+
+    marks, start, rss = _timed_loop(batches, warm, step, lambda: None)
+    return {"marks": marks, "start": start, "rss_kib": rss, "in_flight_peak": None}
 
 
 def run_config(work: Workload, warm: int, n: int, order: tuple[str, ...], rounds: int = 1) -> dict:
     """Runs inside every rank of a ``work.p``-process gloo group; rank 0's dict carries the results."""
+    from lightning_async.pipeline.groups import make_pipeline_groups
+
     rank, p = dist.get_rank(), work.p
     groups = make_pipeline_groups(rank, p, p)
-    stage = groups.stage
-    if work.kind == "sleep":
-        tf, tb = work.tf, work.tb
-        shape = (work.microbatch_size, SLEEP_WIDTH)
-    else:
-        tf, tb = time_stage(work, stage)
-        shape = (work.microbatch_size, work.seq_len, 128)
-    upd = _opt_step_time(work, stage)
+    shape = (work.microbatch_size, SLEEP_WIDTH) if work.kind == "sleep" else (work.microbatch_size, work.seq_len, 64)
     comm = ping_pong(shape, group=groups.p2p) if p > 1 else 0.0
-    header = ping_pong((10,), dtype=torch.int64, group=groups.p2p) if p > 1 else 0.0
-    stage_times = [None] * p
-    dist.all_gather_object(stage_times, (tf, tb, upd, comm, header))
+    comms = [None] * p
+    dist.all_gather_object(comms, comm)
     batches = [work.batch(100 + b) for b in range(warm + n)]
-    out = {"stage_times": stage_times, "runs": {name: [] for name in order}}
-    for _ in range(rounds):  # interleaved rounds: a drift in machine load hits every schedule alike
+    out = {"hop_s": comms[0], "runs": {name: [] for name in order}}
+    for _ in range(rounds):
         for name in order:
             clock = Clock()
             dist.barrier()
-            if name == TORCH:
-                marks = _run_torch(work, groups, batches, warm, clock)
-            else:
-                marks = _run_ours(work, name, groups, batches, warm, clock)
+            res = _run_torch(work, name, groups, batches, warm, clock) if name in TORCH else _run_ours(work, name, batches, warm, clock)
             clocks = [None] * p
-            dist.all_gather_object(clocks, {"t": dict(clock.t), "n": dict(clock.n), "events": clock.events})
-            out["runs"][name].append({"marks": marks, "clocks": clocks})
+            dist.all_gather_object(clocks, {"t": dict(clock.t), "events": clock.events, "rss_kib": res["rss_kib"]})
+            out["runs"][name].append({"marks": res["marks"], "clocks": clocks})
     return out
 
 
 # ---------------------------------------------------------------------------------------------- prediction
-def predicted_window(schedule: str, p: int, m: int, tf, tb, comm, upd, warm: int, n: int) -> tuple[float, float]:
-    """Simulated seconds per batch on stage 0 over the measured window: (with the final drain, steady)."""
-    lists = [S.run_actions(schedule, s, p, m, warm + n) for s in range(p)]
-    trace = simulate_lists(lists, tf, tb, comm, upd)
-    ends = []  # stage 0: end of each call
-    k = 0
-    for b in range(warm + n):
-        k += len(S.call_actions(schedule, 0, p, m, b, fresh=b == 0))
-        ends.append(trace[0][k - 1][2])
-    t0 = ends[warm - 1]
-    return (trace[0][-1][2] - t0) / n, (ends[-1] - t0) / n
-
-
-def in_situ(rs: list[dict], p: int) -> tuple[list[float], list[float], float] | None:
-    """Per-stage mean forward/backward seconds and the median effective hop latency, from our runs' traces.
-
-    The hop latency of ``F j`` into stage ``s + 1`` is ``start(F j on s+1) - end(F j on s)``, counted only when
-    stage ``s + 1`` sat idle waiting for it (likewise for ``B j`` into stage ``s - 1``): send, transfer,
-    wake-up of the receiver and the runtime's Python between the two actions.
-    """
-    fwd, bwd, hops = [[] for _ in range(p)], [[] for _ in range(p)], []
-    for run in rs:
-        ev = [c["events"] for c in run["clocks"]]
-        for s in range(p):
-            for kind, _, a, b in ev[s]:
-                (fwd if kind == "forward" else bwd)[s].append(b - a)
-        for s in range(p):
-            own = sorted(ev[s], key=lambda e: e[2])
-            idx = {(k, mb): (a, b) for k, mb, a, b in ev[s]}
-            prev_end = {}
-            for i, (k, mb, a, b) in enumerate(own):
-                prev_end[(k, mb)] = own[i - 1][3] if i else None
-            for k, src in (("forward", s - 1), ("backward", s + 1)):
-                if not 0 <= src < p:
-                    continue
-                other = {(kk, mb): (a, b) for kk, mb, a, b in ev[src]}
-                for (kk, mb), (a, _) in idx.items():
-                    if kk != k or (kk, mb) not in other:
-                        continue
-                    sent = other[(kk, mb)][1]
-                    before = prev_end.get((kk, mb))
-                    if before is not None and before < sent:
-                        hops.append(a - sent)
-    if not any(fwd):
+def action_times(runs: list[dict], spec: S.ScheduleSpec, p: int) -> tuple[list[float], list[float], list[float]] | None:
+    """Per piece: the mean forward, whole-backward and weight-gradient seconds our runs measured of themselves
+    (a split backward's is its ``I`` plus its ``W``)."""
+    pieces = spec.virtual_stages(p)
+    times = {k: [[] for _ in range(pieces)] for k in ("F", "B", "I", "W")}
+    for run in runs:
+        for r, c in enumerate(run["clocks"]):
+            for kind, chunk, _, a, b in c["events"]:
+                times[kind][spec.piece(r, chunk, p)].append(b - a)
+    if not any(times["F"]):
         return None
-    return [statistics.mean(x) for x in fwd], [statistics.mean(x) for x in bwd], statistics.median(hops) if hops else 0.0
+
+    def mean(xs):
+        return statistics.mean(xs) if xs else 0.0
+
+    tf = [mean(x) for x in times["F"]]
+    tw = [mean(x) for x in times["W"]]
+    tb = [mean(b) if b else mean(i) + w for b, i, w in zip(times["B"], times["I"], tw)]
+    return tf, tb, tw
+
+
+def predicted_per_batch(spec: S.ScheduleSpec, p: int, m: int, tf, tb, tw, comm: float, upd, warm: int, n: int) -> float:
+    """Simulated seconds per batch on rank 0 over the measured window (from the end of batch ``warm - 1`` to the
+    end of the drain)."""
+    lists = [spec.run_actions(r, p, m, warm + n) for r in range(p)]
+    trace = simulate_lists(lists, tf, tb, comm, upd, weight=tw, schedule=spec)
+    k = 0
+    for b in range(warm):
+        k += len(spec.call_actions(0, p, m, b, fresh=b == 0))
+    return (trace[0][-1][2] - trace[0][k - 1][2]) / n
 
 
 def analyse(label: str, work: Workload, warm: int, n: int, res: dict) -> list[dict]:
     p, m = work.p, work.m
-    st = res["stage_times"]
-    tf = [s[0] for s in st]
-    tb = [s[1] for s in st]
-    upd = [s[2] for s in st]
-    comm = st[0][3]
-    ideal = max(m * (f + b) for f, b in zip(tf, tb))
     rows = []
     for name, runs in res["runs"].items():
         per = [((r["marks"][-1] - r["marks"][warm - 1]) / n, r) for r in runs]
         per_batch, run = min(per, key=lambda x: x[0])
-        marks = run["marks"]
-        steady = (marks[-2] - marks[warm - 1]) / n
-        sched = base_schedule(name)
-        pred, pred_steady = predicted_window(sched, p, m, tf, tb, comm, upd, warm, n)
-        pred0 = predict(sched, p, m, tf, tb, 0.0, num_batches=warm + n)["per_batch_s"]
-        row = dict(
-            config=label, kind=work.kind, p=p, m=m, schedule=name, n_batches=n, warmup=warm, rounds=len(runs),
-            batches_per_s=1 / per_batch, microbatches_per_s=m / per_batch, per_batch_s=per_batch,
-            all_rounds_per_batch_s=[x for x, _ in per],
-            steady_per_batch_s=steady, ideal_per_batch_s=ideal,
-            efficiency=ideal / per_batch, steady_efficiency=ideal / steady,
-            predicted_per_batch_s=pred, predicted_efficiency=ideal / pred,
-            predicted_steady_efficiency=ideal / pred_steady,
-            predicted_no_comm_efficiency=ideal / pred0,
-            measured_over_predicted=per_batch / pred,
-            stage_forward_s=tf, stage_backward_s=tb, optimizer_step_s=upd, hop_latency_s=comm,
-            header_latency_s=st[0][4],
-            clocks=[{k: v for k, v in c.items() if k != "events"} for c in run["clocks"]],
-        )
-        src = "1f1b" if name == TORCH else name  # torch's runs carry no trace: use our 1f1b's on the same stages
-        situ = in_situ(res["runs"][src], p) if src in res["runs"] else None
-        if situ is not None:
-            sf, sb, hop = situ
-            pred_situ, _ = predicted_window(sched, p, m, sf, sb, hop, upd, warm, n)
-            row.update(
-                in_situ_forward_s=sf, in_situ_backward_s=sb, in_situ_hop_s=hop,
-                predicted_in_situ_per_batch_s=pred_situ, predicted_in_situ_efficiency=ideal / pred_situ,
-                measured_over_predicted_in_situ=per_batch / pred_situ,
-            )
+        row = dict(config=label, kind=work.kind, p=p, m=m, schedule=name, n_batches=n, warmup=warm, rounds=len(runs),
+                   batches_per_s=1 / per_batch, per_batch_s=per_batch, all_rounds_per_batch_s=[x for x, _ in per],
+                   rss_growth_mib=max(c["rss_kib"] for c in run["clocks"]) / 1024,
+                   clocks=[c["t"] for c in run["clocks"]])
+        base = base_schedule(name)
+        own = name if name not in TORCH else base
+        if base is not None and own in res["runs"]:
+            spec = S.spec(base)
+            measured = action_times(res["runs"][own], spec, p)
+            if measured is not None:
+                tf, tb, tw = measured
+                upd = [c["t"].get("update", 0.0) / (n + warm) for c in run["clocks"]]
+                pred = predicted_per_batch(spec, p, m, tf, tb, tw, res["hop_s"], upd, warm, n)
+                ideal = max(m * sum(tf[k] + tb[k] for k in range(spec.virtual_stages(p)) if spec.holder(k, p)[0] == r)
+                            for r in range(p))
+                row.update(predicted_per_batch_s=pred, measured_over_predicted=per_batch / pred,
+                           ideal_per_batch_s=ideal, efficiency=ideal / per_batch)
         rows.append(row)
-    torch_bps = next((r["batches_per_s"] for r in rows if r["schedule"] == TORCH), None)
+    by_name = {r["schedule"]: r for r in rows}
     for r in rows:
-        r["ratio_to_torch"] = r["batches_per_s"] / torch_bps if torch_bps else None
+        twin = next((t for t, (_, _, _, ours) in TORCH.items() if ours == base_schedule(r["schedule"]) and r["schedule"] not in TORCH), None)
+        if twin in by_name:
+            r["ratio_to_torch"] = r["batches_per_s"] / by_name[twin]["batches_per_s"]
+    sync = [r for r in rows if r["schedule"] in OURS and not S.spec(r["schedule"]).delayed]
+    if sync and "2bw" in by_name:
+        best = max(sync, key=lambda r: r["batches_per_s"])
+        by_name["2bw"]["over_best_sync"] = by_name["2bw"]["batches_per_s"] / best["batches_per_s"]
+        by_name["2bw"]["best_sync"] = best["schedule"]
     return rows
 
 
-def breakdown(row: dict) -> str:
-    """Per-rank split of the timed window (seconds per batch) into categories."""
-    n = row["n_batches"]
-    lines = []
-    for rank, c in enumerate(row["clocks"]):
-        t = c["t"]
-        total = t.get("total", 0.0)
-        parts = {k: v for k, v in t.items() if k != "total"}
-        if "p2p" in parts and "header" in parts:
-            parts["p2p"] -= parts["header"]
-        counted = sum(v for k, v in parts.items())
-        parts["other"] = total - counted
-        cells = " ".join(f"{k}={1e3 * v / n:7.1f}" for k, v in sorted(parts.items()))
-        lines.append(f"    rank {rank}: total={1e3 * total / n:7.1f} ms/batch  {cells}")
-    return "\n".join(lines)
-
-
 def table(rows: list[dict]) -> str:
-    head = (
-        "| config | schedule | batches/s | micro-batches/s | efficiency vs bubble-free | steady efficiency "
-        "| predicted efficiency | measured / predicted time | predicted eff. (in-situ times) "
-        "| measured / predicted (in-situ) | ratio to torch Schedule1F1B |"
-    )
-    out = [head, "|" + "---|" * 11]
+    head = ("| config | schedule | batches/s | efficiency | measured / predicted | x torch's equivalent "
+            "| peak RSS growth MiB | 2BW x best sync |")
+    out = [head, "|" + "---|" * 8]
+
+    def fmt(x, spec=".3f"):
+        return "" if x is None else format(x, spec)
+
     for r in rows:
+        best = f"{r['over_best_sync']:.3f} (vs {r['best_sync']})" if "over_best_sync" in r else ""
         out.append(
-            f"| {r['config']} | {r['schedule']} | {r['batches_per_s']:.3f} | {r['microbatches_per_s']:.2f} | "
-            f"{r['efficiency']:.3f} | {r['steady_efficiency']:.3f} | {r['predicted_efficiency']:.3f} | "
-            f"{r['measured_over_predicted']:.3f} | {r.get('predicted_in_situ_efficiency', float('nan')):.3f} | "
-            f"{r.get('measured_over_predicted_in_situ', float('nan')):.3f} | {r['ratio_to_torch']:.3f} |"
+            f"| {r['config']} | {r['schedule']} | {r['batches_per_s']:.3f} | {fmt(r.get('efficiency'))} | "
+            f"{fmt(r.get('measured_over_predicted'))} | {fmt(r.get('ratio_to_torch'))} | {r['rss_growth_mib']:.1f} | {best} |"
         )
     return "\n".join(out)
 
@@ -373,28 +332,38 @@ def parse_config(text: str, args) -> tuple[str, Workload, int]:
     kind, p, m = text.split(":")
     p, m = int(p), int(m)
     if kind == "sleep":
-        work = Workload("sleep", p, m, tf=args.tf, tb=args.tb)
+        work = Workload("sleep", p, m, tf=args.tf, tb=args.tb, tw=args.tw)
         n = max(args.min_batches, math.ceil(args.window_microbatches / m))
-        label = f"sleep p={p} m={m}"
     elif kind == "real":
         work = Workload("real", p, m, microbatch_size=args.microbatch_size, seq_len=args.seq_len)
         n = max(args.min_batches, math.ceil(args.real_window_microbatches / m))
-        label = f"real p={p} m={m}"
     else:
         raise ValueError(f"unknown config kind {kind!r} (use sleep:P:M or real:P:M)")
-    return label, work, n
+    return f"{kind} p={p} m={m}", work, n
+
+
+def runnable(name: str, p: int, m: int) -> bool:
+    """Whether a schedule takes these settings (torch's DualPipeV and ZB-V need ``m >= 2p``; interleaved, a multiple
+    of ``p``)."""
+    if name in TORCH:
+        cls, v, _, _ = TORCH[name]
+        if cls in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV"):
+            return m >= 2 * p
+        return m >= p
+    try:
+        S.spec(base_schedule(name)).validate(p, m)
+        return True
+    except ValueError:
+        return False
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument(
-        "--configs", default="real:2:2,real:2:4,sleep:4:4,sleep:4:8,sleep:8:8,sleep:8:16",
-        help="comma-separated KIND:P:M (KIND: real or sleep)",
-    )
-    ap.add_argument("--schedules", default=",".join(DEFAULT_SCHEDULES),
-                    help=f"subset of {','.join(ORDER)} (-fused: without pre-posted receives, as on NCCL)")
+    ap.add_argument("--configs", default="sleep:4:4,sleep:4:8,sleep:4:16,real:2:4", help="comma-separated KIND:P:M")
+    ap.add_argument("--schedules", default=",".join(DEFAULT_SCHEDULES), help=f"subset of {','.join(ORDER)}")
     ap.add_argument("--tf", type=float, default=0.020, help="sleep stages: forward seconds per micro-batch")
     ap.add_argument("--tb", type=float, default=0.040, help="sleep stages: backward seconds per micro-batch")
+    ap.add_argument("--tw", type=float, default=0.020, help="sleep stages: the weight-gradient part of --tb")
     ap.add_argument("--warmup", type=int, default=3, help="untimed batches before the window")
     ap.add_argument("--window-microbatches", type=int, default=64, help="sleep: timed micro-batches (N = this / m)")
     ap.add_argument("--real-window-microbatches", type=int, default=48, help="real: timed micro-batches")
@@ -402,8 +371,7 @@ def main(argv=None) -> None:
     ap.add_argument("--microbatch-size", type=int, default=4, help="real: sequences per micro-batch")
     ap.add_argument("--seq-len", type=int, default=128, help="real: tokens per sequence")
     ap.add_argument("--rounds", type=int, default=1, help="interleaved repetitions; the fastest of each is kept")
-    ap.add_argument("--breakdown", action="store_true", help="print the per-rank time split of every run")
-    ap.add_argument("--json", default=None, help="write all rows (with per-rank clocks) here")
+    ap.add_argument("--json", default=None, help="write all rows here")
     ap.add_argument("--probe", action="store_true", help="only run the 2-rank gloo p2p anatomy probe and exit")
     args = ap.parse_args(argv)
     if args.probe:
@@ -411,42 +379,23 @@ def main(argv=None) -> None:
         for k, v in sorted({**res[0], **res[1]}.items()):
             print(f"{k:>22}: {1e3 * v:.3f} ms")
         return
-    order = tuple(s for s in ORDER if s in args.schedules.split(","))
+    wanted = args.schedules.split(",")
     rows = []
     started = time.perf_counter()
     for text in args.configs.split(","):
         label, work, n = parse_config(text, args)
+        order = tuple(s for s in ORDER if s in wanted and runnable(s, work.p, work.m))
         t0 = time.perf_counter()
         res = spawn(work.p, run_config, work, args.warmup, n, order, args.rounds)[0]
         new = analyse(label, work, args.warmup, n, res)
         rows += new
-        st = res["stage_times"]
-        print(
-            f"# {label}: N={n} timed batches; stage fwd/bwd ms "
-            + " ".join(f"{1e3 * a:.1f}/{1e3 * b:.1f}" for a, b, *_ in st)
-            + f"; optimizer step ms {' '.join(f'{1e3 * s[2]:.2f}' for s in st)}"
-            + f"; hop {1e6 * st[0][3]:.0f} us; header hop {1e6 * st[0][4]:.0f} us; {time.perf_counter() - t0:.0f}s",
-            flush=True,
-        )
+        print(f"# {label}: N={n} timed batches; hop {1e6 * res['hop_s']:.0f} us; {time.perf_counter() - t0:.0f}s", flush=True)
         for r in new:
-            print(
-                f"  {r['schedule']:>10}: {r['batches_per_s']:.3f} batches/s  eff {r['efficiency']:.3f} "
-                f"(steady {r['steady_efficiency']:.3f})  predicted {r['predicted_efficiency']:.3f} "
-                f"(steady {r['predicted_steady_efficiency']:.3f}, no comm {r['predicted_no_comm_efficiency']:.3f})  "
-                f"meas/pred {r['measured_over_predicted']:.3f}  x torch {r['ratio_to_torch']:.3f}  "
-                f"rounds ms {' '.join(f'{1e3 * x:.0f}' for x in r['all_rounds_per_batch_s'])}",
-                flush=True,
-            )
-            if "predicted_in_situ_efficiency" in r:
-                print(
-                    f"{'':>14}in-situ F/B ms "
-                    + " ".join(f"{1e3 * a:.1f}/{1e3 * b:.1f}" for a, b in zip(r["in_situ_forward_s"], r["in_situ_backward_s"]))
-                    + f", hop {1e3 * r['in_situ_hop_s']:.2f} ms -> predicted eff {r['predicted_in_situ_efficiency']:.3f}"
-                    f", meas/pred {r['measured_over_predicted_in_situ']:.3f}",
-                    flush=True,
-                )
-            if args.breakdown:
-                print(breakdown(r), flush=True)
+            extra = f"  x torch {r['ratio_to_torch']:.3f}" if "ratio_to_torch" in r else ""
+            pred = f"  meas/pred {r['measured_over_predicted']:.3f}" if "measured_over_predicted" in r else ""
+            best = f"  2BW/best sync {r['over_best_sync']:.3f} ({r['best_sync']})" if "over_best_sync" in r else ""
+            print(f"  {r['schedule']:>22}: {r['batches_per_s']:.3f} batches/s{pred}{extra}  RSS +{r['rss_growth_mib']:.1f} MiB{best}  "
+                  f"rounds ms {' '.join(f'{1e3 * x:.0f}' for x in r['all_rounds_per_batch_s'])}", flush=True)
     print()
     print(table(rows))
     print(f"\ntotal {time.perf_counter() - started:.0f}s")

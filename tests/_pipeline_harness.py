@@ -13,11 +13,8 @@ from lightning_async.models import SmolLM2, model_config
 from lightning_async.models.objective import next_token_loss, split_next_token
 from lightning_async.optim import DelayedOptimizer, build_correction, build_optimizer
 from lightning_async.pipeline.boundary import split_rows
-from lightning_async.pipeline.groups import make_pipeline_groups
 from lightning_async.pipeline.local import free_port, run_local  # noqa: F401 (free_port: for the tests)
-from lightning_async.pipeline.mesh import PipelineMesh
-from lightning_async.pipeline.runtime import PipelineRuntime
-from lightning_async.pipeline.stage import build_rank_stage
+from lightning_async.pipeline.rank import build_rank
 from workload import KWARGS, LRS, lr_lambda
 from workload import SHAPE as SINGLE_DEVICE_SHAPE
 
@@ -60,6 +57,15 @@ class Workload:
 
 
 SMOLLM2 = Workload(make_model, make_batches, eval_batch)
+
+
+def make_deep_model(seed: int = 0) -> SmolLM2:
+    """Six blocks: eight units, enough for two chunks per rank on four ranks (interleaved, ZB-V)."""
+    torch.manual_seed(seed)
+    return SmolLM2(model_config("tiny", **{**SHAPE, "num_layers": 6}))
+
+
+DEEP = Workload(make_deep_model, make_batches, eval_batch)
 
 
 def schedule_hyperparameters(optimizer, step: int) -> None:
@@ -135,18 +141,21 @@ def pipeline_run(
     w = workload
     model = w.make_model()
     units = [(f"model.{n}", u) for n, u in model.pipeline_units()]
-    mesh = PipelineMesh.from_world(dist.get_world_size(), stages)
-    stage = build_rank_stage(units, mesh.stage_of(rank), num_stages=stages)
-    opt = build_optimizer(optimizer, stage.named_parameters, lr=LRS[optimizer], weight_decay=0.1, **KWARGS.get(optimizer, {}))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
-    schedule_hyperparameters(opt, 0)
-    groups = make_pipeline_groups(rank, dist.get_world_size(), stages)
-    runtime = PipelineRuntime(
-        stage.module, opt, schedule, m, w.split_batch, w.loss, groups,
-        gradient_clip_val=clip, correction=correction_of(ef),
-        tied_parameters=stage.tied, count_tied_in_norm=groups.stage == 0, autocast=contextlib.nullcontext,
+    state = {}
+
+    def make_optimizer(stage):
+        opt = build_optimizer(optimizer, stage.named_parameters, lr=LRS[optimizer], weight_decay=0.1, **KWARGS.get(optimizer, {}))
+        state["sched"] = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+        schedule_hyperparameters(opt, 0)
+        return opt
+
+    built = build_rank(
+        units, schedule, m, w.split_batch, w.loss, make_optimizer, rank=rank, world_size=dist.get_world_size(),
+        pipeline_parallel_size=stages, gradient_clip_val=clip, correction=correction_of(ef), autocast=contextlib.nullcontext,
         context_fn=getattr(model, "pipeline_context", None), activation_checkpointing=activation_checkpointing,
     )
+    stage, runtime, opt, sched = built.stage, built.runtime, built.runtime.optimizer, state["sched"]
+    mesh = built.groups.mesh
     if prepost is not None:
         runtime.transport.prepost_enabled = prepost
     replicas, replica = mesh.data_parallel_size, mesh.replica_of(rank)
@@ -159,9 +168,10 @@ def pipeline_run(
         if b in drain_at:
             with torch.inference_mode():
                 runtime.eval_batch(batch)
-        losses.append(runtime.collect_loss(b - 1 if schedule == "2bw" else b) if (b > 0 or schedule != "2bw") else None)
+        lag = runtime.spec.loss_lag
+        losses.append(runtime.collect_loss(b - lag) if b >= lag else None)
     runtime.drain()
-    losses.append(runtime.collect_loss(steps - 1) if schedule == "2bw" else None)
+    losses.append(runtime.collect_loss(steps - 1) if runtime.spec.loss_lag else None)
     by_param = {id(p): n for n, p in stage.named_parameters}
     weights = {by_param[id(p)]: p.detach().clone() for p in runtime.params}
     weights["eval_loss"] = runtime.eval_batch(w.eval_batch())

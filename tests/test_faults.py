@@ -59,8 +59,8 @@ def test_pre_posted_receives_are_refused_off_gloo():
     from lightning_async.pipeline.p2p import StageTransport
 
     with pytest.raises(ValueError, match="Pre-posted receives need the gloo backend"):
-        StageTransport(None, None, None, torch.device("cpu"), lambda r: r, prepost=True)  # no gloo group here
-    transport = StageTransport(None, None, None, torch.device("cpu"), lambda r: r)
+        StageTransport(None, torch.device("cpu"), lambda k: k, lambda r: r, prepost=True)  # no gloo group here
+    transport = StageTransport(None, torch.device("cpu"), lambda k: k, lambda r: r)
     assert transport.prepost_enabled is False
     with pytest.raises(ValueError, match="gloo"):
         transport.prepost_enabled = True

@@ -42,14 +42,13 @@ def fake_sends(monkeypatch):
 
 
 def _transport() -> StageTransport:
-    t = StageTransport(prev=None, next=1, group=None, device=torch.device("cpu"), stage_of_rank=lambda r: r)
-    t.sent_spec = p2p.BoundarySpec(None, ((torch.float32, torch.Size([2, 3]), True),))  # header already announced
+    t = StageTransport(group=None, device=torch.device("cpu"), rank_of_piece=lambda k: k, stage_of_rank=lambda r: r)
     return t
 
 
 def _send_grad_like(t: StageTransport, n: int) -> None:
     for _ in range(n):
-        t.exchange([torch.ones(2, 3)], "grad")  # (prev is None: the peer does not matter to the fake)
+        t.exchange(([torch.ones(2, 3)], "grad", 1))  # piece 1's gradient to piece 0 (the peer does not matter to the fake)
 
 
 def test_gloo_like_sends_are_freed_two_calls_later(fake_sends):

@@ -13,10 +13,11 @@ from _pipeline_harness import pipeline_run, reference_run, spawn
 
 STEPS = 10
 # Keyed by the number of processes: (stages, schedule, optimizer, correction, clip, drain after these
-# batches, pre-posted receives). The correction is an EF strength or the settings of another update- or
+# batches, pre-posted receives[, workload]). The correction is an EF strength or the settings of another update- or
 # gradient-level correction (the ones the pipeline supports). With 4 processes and 2 stages the mesh is
 # 2 stages x 2 data-parallel replicas. Pre-posting is gloo's default; the scenarios with False run the fused
-# send/receive groups that NCCL uses.
+# send/receive groups that NCCL uses. Workloads: the harness's tied SmolLM2 (default; 4 blocks), ``deep`` (6 blocks:
+# two chunks per rank on 4 ranks), and the Hugging Face ``llama`` and tied ``qwen2-tied`` of tests/test_hf.py.
 ADAPTIVE_EF = {"method": "adaptive-ef", "strength": 1.0, "decay": 0.8}
 NESTEROV = {"method": "nesterov", "strength": 1.0, "momentum": 0.8}
 DC_ASGD = {"method": "dc-asgd", "strength": 2.0, "adaptive": True}
@@ -32,12 +33,21 @@ SCENARIOS = {
         (2, "2bw", "adamw", ADAPTIVE_EF, 1.0, (3,), True),
         (2, "2bw", "muon", NESTEROV, None, (), True),
         (2, "2bw", "adan", DC_ASGD, 0.5, (), False),
+        (2, "zbh1", "adamw", 0.0, 1.0, (2,), True),
+        (2, "interleaved", "muon", 0.0, None, (3,), False),
+        (2, "zbv", "adamw", 0.0, 1.0, (3,), True),  # the tied embedding and head on one rank
+        (2, "zbv", "lion", 0.0, None, (), False),
+        (2, "zbv", "adamw", 0.0, 1.0, (), True, "llama"),
+        (2, "interleaved", "muon", 0.0, 1.0, (2,), True, "qwen2-tied"),
+        (2, "zbh1", "adamw", 0.0, 1.0, (), False, "qwen2-tied"),
     ],
     3: [
         (3, "2bw", "adamw", ADAPTIVE_EF, None, (), True),
         (3, "2bw", "lion", NESTEROV, 1.0, (2,), True),
         (3, "2bw", "mars", DC_ASGD, None, (), True),
         (3, "2bw", "muon", 1.0, 0.5, (), False),
+        (3, "zbh1", "muon", 0.0, 0.5, (2,), True),
+        (3, "zbv", "adamw", 0.0, 1.0, (), True),
     ],
     4: [
         (4, "2bw", "adamw", 1.0, 0.5, (3,), True),
@@ -45,8 +55,22 @@ SCENARIOS = {
         (4, "2bw", "mars", 1.0, None, (), True),
         (4, "1f1b", "adamw", 0.0, None, (), True),
         (2, "2bw", "adamw", 1.0, 1.0, (), True),  # pipeline x data parallel
+        (4, "zbh1", "adamw", 0.0, 1.0, (2,), True),
+        (4, "interleaved", "adamw", 0.0, None, (), True, "deep"),
+        (4, "zbv", "muon", 0.0, 1.0, (3,), True, "deep"),
+        (2, "zbv", "adamw", 0.0, 1.0, (), True),  # pipeline x data parallel, two chunks per rank
     ],
 }
+
+
+def workload(name: str = "smollm2"):
+    import _pipeline_harness as harness
+
+    if name in ("smollm2", "deep"):
+        return harness.SMOLLM2 if name == "smollm2" else harness.DEEP
+    from test_hf import oracle_workload
+
+    return oracle_workload(name)
 
 
 def microbatches(stages: int) -> int:
@@ -56,8 +80,9 @@ def microbatches(stages: int) -> int:
 
 def _all_scenarios(world: int) -> list:
     return [
-        pipeline_run(stages, s, opt, ef, STEPS, clip, m=microbatches(stages), drain_at=drain, prepost=prepost)
-        for stages, s, opt, ef, clip, drain, prepost in SCENARIOS[world]
+        pipeline_run(stages, s, opt, ef, STEPS, clip, m=microbatches(stages), drain_at=drain, prepost=prepost,
+                     workload=workload(*rest))
+        for stages, s, opt, ef, clip, drain, prepost, *rest in SCENARIOS[world]
     ]
 
 
@@ -76,10 +101,11 @@ def _merge(per_rank: list, index: int) -> dict[str, torch.Tensor]:
 
 def test_pipeline_equals_single_device_rule(pipeline_results):
     world, per_rank = pipeline_results
-    for index, (stages, schedule, opt, ef, clip, *_) in enumerate(SCENARIOS[world]):
+    for index, (stages, schedule, opt, ef, clip, _, _, *rest) in enumerate(SCENARIOS[world]):
         delay = 1 if schedule == "2bw" else 0
         replicas = world // stages
-        reference = reference_run(opt, delay, ef, STEPS, clip, microbatches=microbatches(stages) * replicas)
+        reference = reference_run(opt, delay, ef, STEPS, clip, microbatches=microbatches(stages) * replicas,
+                                  workload=workload(*rest))
         for replica in range(replicas):  # every replica holds the same weights
             weights = _merge(per_rank[replica * stages : (replica + 1) * stages], index)
             assert set(weights) <= set(reference) and len(weights) >= len(reference) - 1  # tied head may appear once
@@ -107,7 +133,7 @@ def test_losses_reach_every_rank_and_match(pipeline_results):
 
 def test_receives_are_preposted_only_where_asked(pipeline_results):
     world, per_rank = pipeline_results
-    for index, (*_, prepost) in enumerate(SCENARIOS[world]):
+    for index, (_, _, _, _, _, _, prepost, *_) in enumerate(SCENARIOS[world]):
         counts = [rank_results[index][2] for rank_results in per_rank]
         if prepost:
             assert all(n > 0 for n in counts), f"scenario {index}: every stage pre-posts receives, got {counts}"

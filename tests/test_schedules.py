@@ -17,6 +17,8 @@ from lightning_async.pipeline.schedules import (
     call_actions,
     drain_actions,
     run_actions,
+    message_order_mismatches,
+    spec,
     stream_2bw,
     validate,
     warmup_forwards,
@@ -43,15 +45,21 @@ def version_used(schedule: str, batch: int) -> int:
 
 
 def check_stage(schedule: str, actions: list[Action], p: int, m: int, batches: list[int]) -> None:
-    """Assert every invariant of one stage's list that covers exactly ``batches`` (pipeline empty at the end)."""
-    forwards: dict[int, int] = {}  # micro-batch -> position
-    backwards: dict[int, int] = {}
+    """Assert every invariant of one rank's list that covers exactly ``batches`` (pipeline empty at the end)."""
+    s = spec(schedule)
+    kinds = ("F", "I", "W", "U") if s.split_backward else ("F", "B", "U")
+    done_kind = "W" if s.split_backward else "B"  # the action that finishes a micro-batch's backward
+    forwards: dict[tuple[int, int], int] = {}  # (chunk, micro-batch) -> position
+    backwards: dict[tuple[int, int], int] = {}
+    inputs_done: set[tuple[int, int]] = set()
     updates: dict[int, int] = {}  # batch -> position
-    in_flight: dict[int, set[int]] = {}  # batch -> micro-batches forwarded, not backwarded
+    in_flight: dict[int, set] = {}  # batch -> (chunk, micro-batch) forwarded, not finished
     done = batches[0]  # updates applied so far on this stage (U(0..b-1) before a segment starting at b)
     for pos, a in enumerate(actions):
-        assert a.kind in ("F", "B", "U"), a
+        assert a.kind in kinds, a
+        key = (a.chunk, a.microbatch)
         if a.kind != "U":
+            assert 0 <= a.chunk < s.chunks, f"{a!r} on a chunk the rank does not have"
             assert a.batch == a.microbatch // m, f"{a!r} labelled with batch {a.batch}"
             assert a.batch in batches, f"{a!r} belongs to no batch of this run"
             # The weights this micro-batch needs must be live: the newest (``done`` updates) or, under 2BW,
@@ -62,18 +70,22 @@ def check_stage(schedule: str, actions: list[Action], p: int, m: int, batches: l
             else:
                 assert need == done, f"{a!r} runs on weights with {done} updates, expected {need}"
         if a.kind == "F":
-            assert a.microbatch not in forwards, f"F{a.microbatch} twice"
-            forwards[a.microbatch] = pos
-            in_flight.setdefault(a.batch, set()).add(a.microbatch)
+            assert key not in forwards, f"{a!r} twice"
+            forwards[key] = pos
+            in_flight.setdefault(a.batch, set()).add(key)
             limit = 2 if schedule == "2bw" else 1
             assert len(in_flight) <= limit, f"batches {sorted(in_flight)} in flight at {a!r}"
             live = {done} | {version_used(schedule, b) for b in in_flight}
             assert len(live) <= limit, f"weight versions {sorted(live)} live at {a!r}"
-        elif a.kind == "B":
-            assert a.microbatch not in backwards, f"B{a.microbatch} twice"
-            assert a.microbatch in forwards, f"B{a.microbatch} before its forward"
-            backwards[a.microbatch] = pos
-            in_flight[a.batch].discard(a.microbatch)
+        elif a.kind == "I":
+            assert key in forwards and key not in inputs_done, f"{a!r} before its forward, or twice"
+            inputs_done.add(key)
+        elif a.kind == done_kind:
+            assert key not in backwards, f"{a!r} twice"
+            assert key in forwards, f"{a!r} before its forward"
+            assert a.kind != "W" or key in inputs_done, f"{a!r} before its input gradient"
+            backwards[key] = pos
+            in_flight[a.batch].discard(key)
             if not in_flight[a.batch]:
                 del in_flight[a.batch]
         else:
@@ -81,27 +93,32 @@ def check_stage(schedule: str, actions: list[Action], p: int, m: int, batches: l
             assert b not in updates, f"two updates of batch {b}"
             assert a.microbatch == (b + 1) * m - 1
             assert b == done, f"U(b{b}) out of order (expected U(b{done}))"
-            mbs = range(b * m, (b + 1) * m)
-            assert all(j in backwards for j in mbs), f"U(b{b}) before all backwards of batch {b}"
+            mbs = [(c, j) for c in range(s.chunks) for j in range(b * m, (b + 1) * m)]
+            assert all(k in backwards for k in mbs), f"U(b{b}) before all backwards of batch {b}"
             # Staleness of the gradient this update applies: 1 under 2BW (0 for the very first batch), 0 sync.
             delay = done - version_used(schedule, b)
             assert delay == (min(b, 1) if schedule == "2bw" else 0), f"U(b{b}) applies a gradient {delay} old"
             updates[b] = pos
             done += 1
-    expected = [j for b in batches for j in range(b * m, (b + 1) * m)]
-    assert sorted(forwards) == expected, "not every micro-batch forwarded exactly once"
-    assert sorted(backwards) == expected, "not every micro-batch backwarded exactly once"
+    expected = sorted((c, j) for c in range(s.chunks) for b in batches for j in range(b * m, (b + 1) * m))
+    assert sorted(forwards) == expected, "not every micro-batch forwarded exactly once on every chunk"
+    assert sorted(backwards) == expected, "not every micro-batch backwarded exactly once on every chunk"
     assert sorted(updates) == batches, "not exactly one update per batch"
     assert not in_flight
     for b in batches:
         # U(b) precedes the first forward of batch b+1 (sync) or b+2 (2BW): the slot it overwrites is free.
         ahead = 2 if schedule == "2bw" else 1
-        later = [forwards[j] for j in range((b + ahead) * m, (b + ahead + 1) * m) if j in forwards]
+        later = [forwards[c, j] for c in range(s.chunks) for j in range((b + ahead) * m, (b + ahead + 1) * m) if (c, j) in forwards]
         assert all(updates[b] < f for f in later), f"a forward of batch {b + ahead} runs before U(b{b})"
 
 
-def simulate_ok(lists: list[list[Action]]) -> None:
-    trace = simulate_lists(lists, forward=1.0, backward=2.0, comm=0.5)
+def valid_m(schedule: str, p: int, m: int) -> int:
+    """``m`` made acceptable to ``schedule`` (the interleaved schedule needs a multiple of the stages)."""
+    return -(-m // p) * p if spec(schedule).microbatch_multiple_of_stages else m
+
+
+def simulate_ok(lists: list[list[Action]], schedule: str = "1f1b") -> None:
+    trace = simulate_lists(lists, forward=1.0, backward=2.0, comm=0.5, schedule=schedule)
     assert [len(t) for t in trace] == [len(a) for a in lists]
 
 
@@ -110,12 +127,24 @@ def simulate_ok(lists: list[list[Action]]) -> None:
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_run_actions_invariants(schedule):
+    s = spec(schedule)
+    per_microbatch = 3 if s.split_backward else 2
     for p, m, nb in CONFIGS:
-        lists = [run_actions(schedule, s, p, m, nb) for s in range(p)]
-        for s, actions in enumerate(lists):
+        m = valid_m(schedule, p, m)
+        lists = [run_actions(schedule, r, p, m, nb) for r in range(p)]
+        for actions in lists:
             check_stage(schedule, actions, p, m, list(range(nb)))
-            assert len(actions) == nb * (2 * m + 1)
-        simulate_ok(lists)
+            assert len(actions) == nb * (per_microbatch * m * s.chunks + 1)
+        simulate_ok(lists, schedule)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_messages_pair_up_in_order(schedule):
+    """What one rank sends another, the other receives in the same order (NCCL matches messages in order)."""
+    for p, m, nb in CONFIGS[:40]:
+        m = valid_m(schedule, p, m)
+        lists = [run_actions(schedule, r, p, m, nb) for r in range(p)]
+        assert message_order_mismatches(schedule, lists) == []
 
 
 def test_gpipe_allows_fewer_microbatches_than_stages():
@@ -158,6 +187,7 @@ def test_2bw_stream_from_a_later_batch():
 def test_drain_and_fresh_restart(schedule):
     rng = random.Random(99)
     for p, m, nb in CONFIGS:
+        m = valid_m(schedule, p, m)
         if nb < 2:
             nb = 2
         cut = rng.randint(1, nb - 1)  # drain after batch cut-1, restart fresh at batch cut
@@ -173,7 +203,7 @@ def test_drain_and_fresh_restart(schedule):
             check_stage(schedule, [a for a in actions if a.batch >= cut], p, m, list(range(cut, nb)))
             check_stage(schedule, actions, p, m, list(range(nb)))
             lists.append(actions)
-        simulate_ok(lists)
+        simulate_ok(lists, schedule)
 
 
 def test_drain_empties_the_pipeline_at_every_stage():

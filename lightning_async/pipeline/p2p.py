@@ -4,9 +4,15 @@ Why not ``torch.distributed.pipelining.PipelineStage``: its communication helper
 (``_batch_p2p``, ``_initialize_stage``) and its schedules clear their state every step, while 2BW keeps
 micro-batches in flight across steps. This layer uses public ``torch.distributed`` APIs only.
 
-Ordering rule (NCCL-safe): a send that is followed by a receive from the same neighbour is posted in one
-``batch_isend_irecv`` group (forward-send with backward-receive and vice versa, as Megatron does), so
-both sides always post in matching order. Receives are waited on at once; sends are not: a gloo send
+Channels: a rank may hold several pieces of the model (virtual stages: the interleaved and V schedules), so
+a message is addressed to a piece and a kind (an activation from the piece before, a gradient from the piece
+after). On gloo each channel has its own tag and messages of different channels between two ranks may be
+posted in any order; NCCL has no tags, so a schedule runs there only if every pair of ranks posts its
+messages in matching order (``schedules.message_order_mismatches``; ZB-V does not, and is refused on NCCL).
+
+Ordering rule (NCCL-safe): a send that is followed by a receive is posted in one ``batch_isend_irecv`` group
+(forward-send with backward-receive and vice versa, as Megatron does), so both sides always post in matching
+order. Receives are waited on at once; sends are not: a gloo send
 of a large tensor completes only when the receiver has posted its receive, and under 2BW the receiver
 of a stage's last send of a batch is already in the next batch. Waiting there would tie every
 training call to the neighbour's next one (and deadlock against any collective Lightning runs between
@@ -83,27 +89,32 @@ class BoundarySpec:
 
 
 class StageTransport:
-    """Sends and receives activations/gradients of one stage; ``prev``/``next`` are global ranks or None.
+    """Sends and receives the activations and gradients of one rank's pieces (virtual stages).
 
-    ``name`` describes this stage in error messages (e.g. ``"pipeline stage 1 (last unit 'blocks.3')"``).
+    A message belongs to a *channel*: the piece that receives it and its kind (``"act"`` from the piece before,
+    ``"grad"`` from the piece after). ``rank_of_piece(k)`` is the global rank holding piece ``k``; hand-overs
+    between two pieces of the same rank never reach the transport. On gloo every channel has its own tag, so a
+    schedule may interleave channels between two ranks in any order (ZB-V does); NCCL ignores tags and matches
+    messages between two ranks in posting order (``schedules.message_order_mismatches`` says which schedules keep
+    that order). ``name`` describes this rank in error messages.
     """
 
     def __init__(
-        self, prev: int | None, next: int | None, group, device: torch.device, stage_of_rank, prepost: bool | None = None,
+        self, group, device: torch.device, rank_of_piece, stage_of_rank, prepost: bool | None = None,
         name: str = "this pipeline stage",
     ) -> None:
-        self.prev, self.next, self.group, self.device = prev, next, group, device
-        self.stage_of_rank, self.name = stage_of_rank, name
+        self.group, self.device = group, device
+        self.rank_of_piece, self.stage_of_rank, self.name = rank_of_piece, stage_of_rank, name
         #: post the next action's receive before the current action (default: on gloo only)
         self._gloo = dist.is_initialized() and dist.get_backend(group) == "gloo"
         self.prepost_enabled = self._gloo if prepost is None else prepost
         self.preposted = 0  # receives posted ahead so far (for tests and benchmarks)
         self.headers_sent = 0  # boundary specs announced so far (for tests)
-        self.act_spec: BoundarySpec | None = None  # what we receive from prev
-        self.sent_spec: BoundarySpec | None = None  # what we send to next (its gradients are what we receive)
+        self.act_spec: dict[int, BoundarySpec] = {}  # piece -> what it receives from the piece before
+        self.sent_spec: dict[int, BoundarySpec] = {}  # piece -> what it sends to the piece after (its gradients come back)
         self._pending_sends: list[tuple[list, list[torch.Tensor], int, int]] = []  # (works, buffers kept alive, peer, call)
         self.calls = 0  # training calls begun since this transport was made (each send is tagged with its call)
-        self._inbox: tuple[str, list | None, list[torch.Tensor], int] | None = None  # (kind, works or None, buffers, peer)
+        self._inbox: tuple[str, int, list | None, list[torch.Tensor], int] | None = None  # (kind, piece, works, buffers, peer)
 
     @property
     def prepost_enabled(self) -> bool:
@@ -119,11 +130,9 @@ class StageTransport:
             )
         self._prepost = bool(value)
 
-    def reset(self) -> None:
-        """Forget shapes: the next activation exchange starts with a header."""
-        self.flush()
-        self.act_spec = None
-        self.sent_spec = None
+    def _tag(self, piece: int, kind: str) -> int:
+        """The channel's tag on gloo (0 on NCCL, which ignores tags)."""
+        return 2 * piece + (kind == "grad") if self._gloo else 0
 
     def flush(self) -> None:
         """Wait until every posted send has been received (and no receive is left outstanding)."""
@@ -132,6 +141,12 @@ class StageTransport:
         pending, self._pending_sends = self._pending_sends, []
         for works, _, peer, _ in pending:
             self._wait(works, peer)
+
+    def reset(self) -> None:
+        """Forget shapes: the next activation exchange on every channel starts with a header."""
+        self.flush()
+        self.act_spec.clear()
+        self.sent_spec.clear()
 
     def abandon(self) -> None:
         """Forget a received or pre-posted message after a failed call (the pipeline will not continue)."""
@@ -171,30 +186,32 @@ class StageTransport:
                 "Look at that rank's log for the original error."
             ) from err
 
-    def _send_header(self, spec: BoundarySpec, peer: int) -> None:
+    def _send_header(self, spec: BoundarySpec, peer: int, tag: int) -> None:
         self.headers_sent += 1
         payload = torch.tensor(list(spec.encode()), dtype=torch.uint8, device=self.device)
         length = torch.tensor([payload.numel()], dtype=torch.int64, device=self.device)
         for tensor in (length, payload):
-            self._pending_sends.append(([dist.isend(tensor, peer, group=self.group)], [tensor], peer, self.calls))
+            self._pending_sends.append(([dist.isend(tensor, peer, group=self.group, tag=tag)], [tensor], peer, self.calls))
 
-    def _receive_header(self, peer: int) -> BoundarySpec:
+    def _receive_header(self, peer: int, tag: int) -> BoundarySpec:
         length = torch.empty(1, dtype=torch.int64, device=self.device)
-        self._wait([dist.irecv(length, peer, group=self.group)], peer)
+        self._wait([dist.irecv(length, peer, group=self.group, tag=tag)], peer)
         payload = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
-        self._wait([dist.irecv(payload, peer, group=self.group)], peer)
+        self._wait([dist.irecv(payload, peer, group=self.group, tag=tag)], peer)
         return BoundarySpec.decode(payload.cpu().numpy().tobytes())
 
-    def _activation_tensors(self, value) -> list[torch.Tensor]:
-        """The leaves of ``value`` to send, after announcing (first time) or checking (afterwards) its spec."""
+    def _activation_tensors(self, value, piece: int, peer: int) -> list[torch.Tensor]:
+        """The leaves of ``value`` (``piece``'s output) to send, after announcing (first time) or checking
+        (afterwards) its spec."""
         leaves, structure = flatten(value, self.name)
         specs = BoundarySpec.leaf_specs(leaves)
-        if self.sent_spec is None:
-            self.sent_spec = BoundarySpec(structure, specs)
-            self._send_header(self.sent_spec, self.next)
-        elif specs != self.sent_spec.leaves or structure != self.sent_spec.structure:
+        sent = self.sent_spec.get(piece)
+        if sent is None:
+            self.sent_spec[piece] = BoundarySpec(structure, specs)
+            self._send_header(self.sent_spec[piece], peer, self._tag(piece + 1, "act"))
+        elif specs != sent.leaves or structure != sent.structure:
             raise BoundaryChanged(
-                f"The output of {self.name} changed within a batch: it was {self.sent_spec.describe()} and is now "
+                f"The output of {self.name} changed within a batch: it was {sent.describe()} and is now "
                 f"{BoundarySpec(structure, specs).describe()}. Every micro-batch of a batch must cross a stage boundary "
                 "with the same structure, dtypes and shapes (only a new batch shape announces new ones): make the "
                 "units' outputs depend on the batch's shape only, e.g. pad to a fixed length."
@@ -202,23 +219,30 @@ class StageTransport:
         return [x.detach().contiguous() for x in leaves]
 
     # -- API ------------------------------------------------------------------------------------
-    def exchange(self, send, send_kind: str | None, recv: str | None = None) -> None:
+    def exchange(self, send=None, recv: tuple[str, int] | None = None) -> None:
         """Send ``send`` and/or receive ``recv`` in one group.
 
-        ``send`` is an ``"act"`` (a boundary value, to next) or a ``"grad"`` (a list of tensors, one per leaf
-        of the received activation that requires grad, to prev). A received message is waited for here and
-        handed out by the next :meth:`receive` of its kind.
+        ``send`` is ``(value, kind, piece)``: an ``"act"`` (a boundary value, ``piece``'s output, to the piece after)
+        or a ``"grad"`` (a list of tensors, one per leaf of ``piece``'s received activation that requires grad, to
+        the piece before). ``recv`` is ``(kind, piece)``: the next message of that channel, waited for here and
+        handed out by the next :meth:`receive` of its channel. A receive whose channel still owes its header is
+        left to :meth:`receive` (after the send is posted: waiting for a header first could wait for a peer that
+        waits for this very send).
         """
         self._reap()
-        ops, sent = [], []
+        if send is not None and recv is not None and not self._shape_known(*recv):
+            recv = None
+        ops, sent, send_peer = [], [], None
         if send is not None:
-            send_peer = self.next if send_kind == "act" else self.prev
-            sent = self._activation_tensors(send) if send_kind == "act" else [g.contiguous() for g in send]
-            ops += [dist.P2POp(dist.isend, x, send_peer, group=self.group) for x in sent]
+            value, kind, piece = send
+            target = piece + 1 if kind == "act" else piece - 1
+            send_peer, tag = self.rank_of_piece(target), self._tag(target, kind)
+            sent = self._activation_tensors(value, piece, send_peer) if kind == "act" else [g.contiguous() for g in value]
+            ops += [dist.P2POp(dist.isend, x, send_peer, group=self.group, tag=tag) for x in sent]
         if recv is not None:
-            out, recv_peer = self._recv_buffers(recv)
-            ops += [dist.P2POp(dist.irecv, x, recv_peer, group=self.group) for x in out]
-            self._inbox = (recv, None, out, recv_peer)
+            out, recv_peer, tag = self._recv_buffers(*recv)
+            ops += [dist.P2POp(dist.irecv, x, recv_peer, group=self.group, tag=tag) for x in out]
+            self._inbox = (recv[0], recv[1], None, out, recv_peer)
         if not ops:
             return
         works = dist.batch_isend_irecv(ops)
@@ -231,38 +255,47 @@ class StageTransport:
         if recv is not None and out:
             self._wait(recv_works, recv_peer)
 
-    def prepost(self, kind: str) -> bool:
-        """Post the receive of the next ``kind`` message now, unwaited (when enabled and its shape is known)."""
-        spec = self.act_spec if kind == "act" else self.sent_spec
-        if not self.prepost_enabled or spec is None or self._inbox is not None:
+    def _shape_known(self, kind: str, piece: int) -> bool:
+        return (self.act_spec if kind == "act" else self.sent_spec).get(piece) is not None
+
+    def prepost(self, kind: str, piece: int) -> bool:
+        """Post the receive of ``piece``'s next ``kind`` message now, unwaited (when enabled and its shape is known)."""
+        if not self.prepost_enabled or not self._shape_known(kind, piece) or self._inbox is not None:
             return False
-        out, peer = self._recv_buffers(kind)
-        self._inbox = (kind, [dist.irecv(x, peer, group=self.group) for x in out], out, peer)
+        out, peer, tag = self._recv_buffers(kind, piece)
+        self._inbox = (kind, piece, [dist.irecv(x, peer, group=self.group, tag=tag) for x in out], out, peer)
         self.preposted += 1
         return True
 
-    def receive(self, kind: str):
-        """The next ``"act"`` (from prev; a boundary value) or ``"grad"`` (from next; a list of tensors), already
-        received, pre-posted, or fetched now. Received activation leaves that carried gradients require grad."""
+    def receive(self, kind: str, piece: int):
+        """``piece``'s next ``"act"`` (from the piece before; a boundary value) or ``"grad"`` (from the piece after;
+        a list of tensors), already received, pre-posted, or fetched now. Received activation leaves that carried
+        gradients require grad."""
         if self._inbox is None:
-            self.exchange(None, None, kind)
-        got, works, out, peer = self._inbox
-        if got != kind:
-            raise RuntimeError(f"expected to receive {kind!r} but {got!r} is outstanding; the schedule and transport disagree")
+            self.exchange(None, (kind, piece))
+        got, got_piece, works, out, peer = self._inbox
+        if (got, got_piece) != (kind, piece):
+            raise RuntimeError(
+                f"expected to receive {kind!r} for piece {piece} but {got!r} for piece {got_piece} is outstanding; "
+                "the schedule and transport disagree"
+            )
         self._inbox = None
         if works is not None:
             self._wait(works, peer)
         if kind == "grad":
             return out
-        for x, (_, _, requires_grad) in zip(out, self.act_spec.leaves):
+        for x, (_, _, requires_grad) in zip(out, self.act_spec[piece].leaves):
             x.requires_grad_(requires_grad)
-        return unflatten(out, self.act_spec.structure)
+        return unflatten(out, self.act_spec[piece].structure)
 
-    def _recv_buffers(self, kind: str) -> tuple[list[torch.Tensor], int]:
+    def _recv_buffers(self, kind: str, piece: int) -> tuple[list[torch.Tensor], int, int]:
+        tag = self._tag(piece, kind)
         if kind == "act":
-            if self.act_spec is None:
-                self.act_spec = self._receive_header(self.prev)
-            specs, peer = [(d, s) for d, s, _ in self.act_spec.leaves], self.prev
+            peer = self.rank_of_piece(piece - 1)
+            if piece not in self.act_spec:
+                self.act_spec[piece] = self._receive_header(peer, tag)
+            specs = [(d, s) for d, s, _ in self.act_spec[piece].leaves]
         else:
-            specs, peer = self.sent_spec.grads, self.next
-        return [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in specs], peer
+            peer = self.rank_of_piece(piece + 1)
+            specs = self.sent_spec[piece].grads
+        return [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in specs], peer, tag

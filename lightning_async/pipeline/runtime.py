@@ -1,9 +1,16 @@
-"""The pipeline runtime: executes a schedule's actions for one stage, with weight versions.
+"""The pipeline runtime: executes a schedule's actions for one rank, with weight versions.
 
-One :class:`PipelineRuntime` per process. It owns the stage's weight slots (two under ``2bw``, one
+One :class:`PipelineRuntime` per process. It owns the rank's weight slots (two under ``2bw``, one
 for the flushing schedules), runs forwards through ``torch.func.functional_call`` so each micro-batch
 uses the slot of its batch's version and autograd accumulates into that slot, and applies updates with
 :func:`~lightning_async.optim.delayed_step.delayed_step`, the same code as the single-device simulation.
+
+A rank may hold several pieces of the model (*chunks*: the interleaved and V schedules). Each action names its
+chunk; a chunk's input comes from the piece before it, on another rank (the transport) or on this one (a local
+hand-over, ZB-V's turn of the V), and its output goes to the piece after it. The weights of all chunks form one
+parameter list, one optimizer and one update per batch; a weight two chunks share (ZB-V's tied embedding and
+head) is one parameter. A split backward (``I``, ``W``) defers the linear layers' weight gradients
+(:mod:`~lightning_async.pipeline.weight_grad`) from ``I`` to ``W``.
 
 2BW timing: when the stage has finished batch ``b``'s last backward it takes the gradient and starts its
 reductions asynchronously (global norm for clipping, tied weights). The update ``V(b + 2)`` is applied as
@@ -20,16 +27,18 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.func import functional_call
 
 from lightning_async.optim.delayed_step import delayed_step, scheduled_values
 from lightning_async.optim.corrections import Correction
 from lightning_async.pipeline import schedules
-from lightning_async.pipeline.boundary import flatten, rows, signature, split_rows
+from lightning_async.pipeline.boundary import flatten, rows, signature, split_rows, unflatten
 from lightning_async.pipeline.mesh import PipelineGroups
 from lightning_async.pipeline.p2p import PeerFailure, StageTransport
+from lightning_async.pipeline.schedules import BACKWARD, FORWARD, GRADIENT_ACTIONS, INPUT_GRAD, UPDATE, WEIGHT_GRAD, ScheduleSpec
 from lightning_async.pipeline.stage import StageModule
-from lightning_async.pipeline.schedules import BACKWARD, FORWARD, UPDATE
+from lightning_async.pipeline.weight_grad import DeferredWeightGrads, split_linear_backward
 
 
 def average_over_replicas(grads: list[torch.Tensor], groups: PipelineGroups) -> None:
@@ -78,24 +87,25 @@ class _PendingUpdate:
 
 
 class PipelineRuntime:
-    """Executes ``schedule`` for one stage.
+    """Executes ``schedule`` for one rank.
 
     Args:
-        stage_module: this stage's units.
-        optimizer: optimizer over the stage's parameters (the module's ``nn.Parameter`` objects).
-        schedule: ``"2bw"``, ``"1f1b"`` or ``"gpipe"`` (what each means: :data:`~lightning_async.pipeline.schedules.SPECS`).
+        stage_module: this rank's units: a :class:`StageModule`, or an ``nn.ModuleList`` of them, one per chunk
+            (in chunk order) for schedules with several chunks per rank (:class:`~.stage.RankStage` ``.module``).
+        optimizer: optimizer over the rank's parameters (the modules' ``nn.Parameter`` objects).
+        schedule: a :class:`~lightning_async.pipeline.schedules.ScheduleSpec` (or a schedule's name).
         n_microbatches: micro-batches per batch ``m``.
         split_batch: ``batch -> (inputs, targets)``; every rank gets the same batch.
-        loss_fn: ``(outputs, targets) -> scalar mean loss`` (last stage).
+        loss_fn: ``(outputs, targets) -> scalar mean loss`` (the rank holding the last piece).
         groups: ranks and process groups; defaults to a single process.
         gradient_clip_val: global-norm clipping over all stages (``None``/0: off).
         correction: a staleness correction (``2bw`` only; gradient- or update-level: Error Feedback, adaptive
             EF, the Nesterov-style look-ahead, DC-ASGD).
-        tied_parameters: names (in ``stage_module``) of weights shared between first and last stage.
-        count_tied_in_norm: whether this stage counts the tied weights in the global norm.
+        tied_parameters: names (in ``stage_module``) of weights shared with another rank (tied embeddings).
+        count_tied_in_norm: whether this rank counts the tied weights in the global norm.
         autocast: context manager factory for forwards (e.g. bf16 autocast).
         device: where activations live (default: the stage's parameters' device).
-        context_fn: the module's ``pipeline_context(inputs)``: evaluated on this stage for every micro-batch and
+        context_fn: the module's ``pipeline_context(inputs)``: evaluated on this rank for every micro-batch and
             passed as ``context=`` to the units whose forward takes it (``None``: no context).
         activation_checkpointing: recompute each unit's forward in the backward instead of keeping its
             activations (only each unit's input stays in flight); the update rule is unchanged.
@@ -103,9 +113,9 @@ class PipelineRuntime:
 
     def __init__(
         self,
-        stage_module: StageModule,
+        stage_module: StageModule | nn.ModuleList,
         optimizer: torch.optim.Optimizer,
-        schedule: str,
+        schedule: "ScheduleSpec | str",
         n_microbatches: int,
         split_batch: Callable,
         loss_fn: Callable,
@@ -120,8 +130,8 @@ class PipelineRuntime:
         activation_checkpointing: bool = False,
     ) -> None:
         self.groups = groups or PipelineGroups()
-        schedules.validate(schedule, self.groups.num_stages, n_microbatches)
         self.spec = schedules.spec(schedule)
+        self.spec.validate(self.groups.num_stages, n_microbatches)
         if correction is not None and correction.enabled:
             self.spec.require_delay(f"The {correction.method!r} correction")
         if correction is not None and correction.enabled and not correction.pipeline_supported:
@@ -129,7 +139,13 @@ class PipelineRuntime:
                 f"The {correction.method!r} correction changes the weights the forward reads, which needs a third "
                 "weight version per stage; the 2BW runtime keeps two. Study it on one device (DelaySimulation)."
             )
-        self.module, self.optimizer, self.schedule = stage_module, optimizer, schedule
+        self.chunks = list(stage_module) if isinstance(stage_module, nn.ModuleList) else [stage_module]
+        if len(self.chunks) != self.spec.chunks:
+            raise ValueError(
+                f"Schedule {self.spec.name!r} runs {self.spec.chunks} chunk(s) per rank, but this rank was given "
+                f"{len(self.chunks)}. Build the rank with build_rank_stage(..., schedule=...)."
+            )
+        self.module, self.optimizer, self.schedule = stage_module, optimizer, self.spec.name
         self.n_microbatches = n_microbatches
         self.split_batch, self.loss_fn = split_batch, loss_fn
         self.clip = gradient_clip_val or None
@@ -141,13 +157,23 @@ class PipelineRuntime:
         named = dict(stage_module.named_parameters())
         self.names = list(named)
         self.params = [named[n] for n in self.names]
+        index = {id(p): i for i, p in enumerate(self.params)}
+        #: per chunk: (name in the chunk, index in ``params``), every name a weight has in the chunk
+        self.chunk_weights = [[(n, index[id(p)]) for n, p in c.named_parameters(remove_duplicate=False)] for c in self.chunks]
         self.tied = [self.names.index(n) for n in tied_parameters]
         self.count_tied_in_norm = count_tied_in_norm
+        if self.spec.split_backward:
+            for chunk in self.chunks:
+                split_linear_backward(chunk)
         g = self.groups
-        self.is_first, self.is_last = g.stage == 0, g.stage == g.num_stages - 1
-        last_unit = stage_module.unit_names[-1] if getattr(stage_module, "unit_names", None) else None
+        stages = g.num_stages
+        self.pieces = [self.spec.piece(g.stage, c, stages) for c in range(self.spec.chunks)]  # each chunk's piece
+        self.last_piece = self.spec.virtual_stages(stages) - 1
+        self.is_first, self.is_last = 0 in self.pieces, self.last_piece in self.pieces
+        self._local = set(self.pieces)
+        last_unit = self.chunks[-1].unit_names[-1] if getattr(self.chunks[-1], "unit_names", None) else None
         self.transport = StageTransport(
-            g.prev_rank, g.next_rank, g.p2p, self.device, g.stage_of_rank,
+            g.p2p, self.device, lambda piece: g.mesh.rank_of(self.spec.holder(piece, stages)[0], g.replica), g.stage_of_rank,
             name=f"pipeline stage {g.stage}" + (f" (last unit {last_unit!r})" if last_unit else ""),
         )
         self.slots = [[p.detach().clone().requires_grad_(True) for p in self.params] for _ in range(self.spec.weight_versions)]
@@ -156,7 +182,9 @@ class PipelineRuntime:
         self.batches_done = 0  # training calls finished
         self.fresh = True  # pipeline empty: the next call starts with warmup
         self.batch_shape: tuple | None = None  # signature (structure, dtypes, shapes) of the last batch's inputs
-        self._inflight: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # mb -> (inputs, outputs) with grads
+        self._inflight: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # (chunk, mb) -> (inputs, outputs)
+        self._handover: dict[tuple[str, int, int], object] = {}  # (kind, chunk, mb) -> a value between two chunks of this rank
+        self._deferred: dict[tuple[int, int], DeferredWeightGrads] = {}  # (chunk, mb) -> weight gradients I left for W
         self._pending: dict[int, _PendingUpdate] = {}
         self._hyper: dict[int, list[dict]] = {}
         self._losses: list[torch.Tensor] = []
@@ -173,33 +201,43 @@ class PipelineRuntime:
         return [p.data for p in self.params]
 
     # ---- actions --------------------------------------------------------------------------------
-    def _forward(self, mb: int, batch: int, x, inputs, targets, training: bool):
-        """Run this stage on ``x`` (the received value, or the micro-batch ``inputs`` on the first stage)."""
+    def _forward(self, chunk: int, mb: int, batch: int, x, inputs, targets, training: bool):
+        """Run chunk ``chunk`` on ``x`` (the received value, or the micro-batch ``inputs`` on the first piece)."""
         slot = self._slot(batch) if training else self.newest()
-        weights = dict(zip(self.names, slot))
+        weights = {name: slot[i] for name, i in self.chunk_weights[chunk]}
         kwargs = {"recompute": True} if training and self.activation_checkpointing else {}
+        first, last = self.pieces[chunk] == 0, self.pieces[chunk] == self.last_piece
         with self.autocast():
             if self.context_fn is not None:  # under autocast, as in the module's own forward
                 kwargs["context"] = self.context_fn(inputs)
-            y = functional_call(self.module, weights, (x,), kwargs)
-            if self.is_last:
+            y = functional_call(self.chunks[chunk], weights, (x,), kwargs)
+            if last:
                 y = self.loss_fn(y, targets)
         if training:
-            grad_inputs = [] if self.is_first else [t for t in flatten(x)[0] if t.requires_grad]
-            grad_outputs = [y] if self.is_last else [t for t in flatten(y)[0] if t.requires_grad]
-            self._inflight[mb] = (grad_inputs, grad_outputs)
+            grad_inputs = [] if first else [t for t in flatten(x)[0] if t.requires_grad]
+            grad_outputs = [y] if last else [t for t in flatten(y)[0] if t.requires_grad]
+            self._inflight[chunk, mb] = (grad_inputs, grad_outputs)
         return y
 
-    def _backward(self, mb: int, grads: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
-        """Backward of micro-batch ``mb``; the gradients of its received leaves (``None`` on the first stage)."""
-        inputs, outputs = self._inflight.pop(mb)
-        if self.is_last:
-            (outputs[0] / self.n_microbatches).backward()
-        elif outputs:
-            torch.autograd.backward(outputs, grads)
-        if self.is_first:
+    def _backward(self, chunk: int, mb: int, grads: list[torch.Tensor] | None, split: bool = False) -> list[torch.Tensor] | None:
+        """Backward of micro-batch ``mb`` on ``chunk``; the gradients of its received leaves (``None`` on the first
+        piece). ``split``: the input gradient only, the linear layers' weight gradients left for :meth:`_weight_grad`."""
+        inputs, outputs = self._inflight.pop((chunk, mb))
+        deferred = DeferredWeightGrads()
+        with deferred.collecting() if split else contextlib.nullcontext():
+            if self.pieces[chunk] == self.last_piece:
+                (outputs[0] / self.n_microbatches).backward()
+            elif outputs:
+                torch.autograd.backward(outputs, grads)
+        if split:
+            self._deferred[chunk, mb] = deferred
+        if self.pieces[chunk] == 0:
             return None
         return [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs]
+
+    def _weight_grad(self, chunk: int, mb: int) -> None:
+        """The weight gradients the input-gradient action of ``mb`` on ``chunk`` deferred."""
+        self._deferred.pop((chunk, mb)).compute()
 
     def _record_loss(self, batch: int, loss: torch.Tensor) -> None:
         self._losses.append(loss.detach().float())
@@ -331,33 +369,65 @@ class PipelineRuntime:
                 else:
                     self._apply_ready_updates()
                 continue
-            i = action.microbatch % self.n_microbatches
+            c, mb = action.chunk, action.microbatch
+            if action.kind == WEIGHT_GRAD:
+                self._weight_grad(c, mb)
+                continue
+            piece = self.pieces[c]
+            i = mb % self.n_microbatches
             inputs, targets = self._batch_data[action.batch]
-            needs = self._input_kind(nxt)  # what the next action receives, if anything
+            needs = self._remote_input(nxt)  # (kind, piece) the next action receives from another rank, if any
             if action.kind == FORWARD:
-                x = inputs[i] if self.is_first else t.receive("act")
-                preposted = needs is not None and t.prepost(needs)
-                y = self._forward(action.microbatch, action.batch, x, inputs[i], targets[i], training)
-                if self.is_last:
+                x = inputs[i] if piece == 0 else self._input("act", c, mb)
+                preposted = needs is not None and t.prepost(*needs)
+                y = self._forward(c, mb, action.batch, x, inputs[i], targets[i], training)
+                if piece == self.last_piece:
                     self._record_loss(action.batch, y)
                     continue
-                t.exchange(y, "act", "grad" if needs == "grad" and not preposted else None)
-            else:  # BACKWARD
-                grad = None if self.is_last else t.receive("grad")
-                preposted = needs is not None and t.prepost(needs)
-                dx = self._backward(action.microbatch, grad)
-                if self.is_first:
+                self._output(y, "act", c, mb, None if preposted else needs)
+            else:  # BACKWARD, INPUT_GRAD
+                grad = None if piece == self.last_piece else self._input("grad", c, mb)
+                preposted = needs is not None and t.prepost(*needs)
+                dx = self._backward(c, mb, grad, split=action.kind == INPUT_GRAD)
+                if piece == 0:
                     continue
-                t.exchange(dx, "grad", "act" if needs == "act" and not preposted else None)
+                self._output(dx, "grad", c, mb, None if preposted else needs)
 
-    def _input_kind(self, action: schedules.Action | None) -> str | None:
-        """``"act"``/``"grad"`` if ``action`` receives its input from a neighbour, else None."""
-        if action is None:
+    def _neighbour_chunk(self, chunk: int, kind: str) -> int | None:
+        """This rank's chunk that ``chunk``'s ``kind`` message goes to (act: the piece after; grad: the piece before),
+        or None when that piece lives on another rank."""
+        target = self.pieces[chunk] + (1 if kind == "act" else -1)
+        return self.pieces.index(target) if target in self._local else None
+
+    def _input(self, kind: str, chunk: int, mb: int):
+        """``chunk``'s input for ``mb``: handed over by a chunk of this rank, or received."""
+        source = self.pieces[chunk] + (-1 if kind == "act" else 1)
+        if source in self._local:
+            return self._handover.pop((kind, chunk, mb))
+        return self.transport.receive(kind, self.pieces[chunk])
+
+    def _output(self, value, kind: str, chunk: int, mb: int, receive: tuple[str, int] | None) -> None:
+        """Hand ``value`` to the neighbouring piece: to a chunk of this rank (as a fresh leaf, like a received one),
+        or send it, together with the next action's receive (``receive``) when that is not pre-posted (the fused
+        send/receive pairs NCCL needs)."""
+        local = self._neighbour_chunk(chunk, kind)
+        if local is None:
+            self.transport.exchange((value, kind, self.pieces[chunk]), receive)
+            return
+        if kind == "act":
+            leaves, structure = flatten(value)
+            value = unflatten([x.detach().requires_grad_(x.requires_grad) for x in leaves], structure)
+        self._handover[kind, local, mb] = value  # (the next action's receive is posted when it asks for it)
+
+    def _remote_input(self, action: schedules.Action | None) -> tuple[str, int] | None:
+        """``(kind, piece)`` if ``action`` receives its input from another rank, else None."""
+        if action is None or action.kind not in (FORWARD, *GRADIENT_ACTIONS):
             return None
-        if action.kind == FORWARD and not self.is_first:
-            return "act"
-        if action.kind == BACKWARD and not self.is_last:
-            return "grad"
+        piece = self.pieces[action.chunk]
+        if action.kind == FORWARD and piece > 0 and piece - 1 not in self._local:
+            return ("act", piece)
+        if action.kind in GRADIENT_ACTIONS and piece < self.last_piece and piece + 1 not in self._local:
+            return ("grad", piece)
         return None
 
     def train_batch(self, batch_data) -> None:
@@ -376,7 +446,7 @@ class PipelineRuntime:
         self._hyper[b] = scheduled_values(self.optimizer)  # the update of batch b uses batch b's lr, momentum...
         for old in [k for k in self._pending if k <= b - 2]:
             self._apply_update(old)
-        actions = schedules.call_actions(self.schedule, self.groups.stage, self.groups.num_stages, self.n_microbatches, b, self.fresh)
+        actions = self.spec.call_actions(self.groups.stage, self.groups.num_stages, self.n_microbatches, b, self.fresh)
         self._run(actions)
         if not self.is_last:
             self._reduce_loss(b, None)  # join the last stage's loss reduction for this batch
@@ -399,7 +469,7 @@ class PipelineRuntime:
 
     def _drain(self) -> None:
         last = self.batches_done - 1
-        self._run(schedules.drain_actions(self.schedule, self.groups.stage, self.groups.num_stages, self.n_microbatches, last))
+        self._run(self.spec.drain_actions(self.groups.stage, self.groups.num_stages, self.n_microbatches, last))
         for b in sorted(self._pending):
             self._apply_update(b)
         self._batch_data.clear()
@@ -417,23 +487,26 @@ class PipelineRuntime:
         inputs, targets = self.split_batch(batch_data)
         rows(inputs), rows(targets)  # every leaf has the batch dimension first
         pieces = zip(split_rows(inputs, self.n_microbatches, even=False), split_rows(targets, self.n_microbatches, even=False))
-        chunks = [(x, y) for x, y in pieces if rows(x)]
-        t = self.transport
+        runs: list[list[tuple[int, object, object]]] = []  # micro-batches of one shape, in order
+        for i, (x, target) in enumerate((x, y) for x, y in pieces if rows(x)):
+            if not runs or signature(x) != signature(runs[-1][0][1]):
+                runs.append([])
+            runs[-1].append((i, x, target))
         total, count = torch.zeros((), device=self.device), 0
-        shape = None
+        order = sorted(range(len(self.chunks)), key=lambda c: self.pieces[c])
         with torch.no_grad():
-            for i, (x, target) in enumerate(chunks):
-                if signature(x) != shape:  # every rank holds the batch, so all agree when a new shape (and header) comes
-                    t.reset()
-                    shape = signature(x)
-                value = x if self.is_first else t.receive("act")
-                y = self._forward(i, -1, value, x, target, training=False)
-                if self.is_last:
-                    total += y.float() * rows(target)
-                    count += rows(target)
-                else:
-                    t.exchange(y, "act", None)
-        t.reset()
+            for run in runs:  # every rank holds the batch, so all agree where a new shape (and header) comes
+                self.transport.reset()
+                for c in order:
+                    for i, x, target in run:
+                        value = x if self.pieces[c] == 0 else self._input("act", c, i)
+                        y = self._forward(c, i, -1, value, x, target, training=False)
+                        if self.pieces[c] == self.last_piece:
+                            total += y.float() * rows(target)
+                            count += rows(target)
+                        else:
+                            self._output(y, "act", c, i, None)
+        self.transport.reset()
         # (sum of row losses, rows) over every replica's last stage: the mean over all rows evaluated, exact even
         # when the replicas' batches differ in size
         stats = torch.stack([total, torch.tensor(float(count), device=self.device)]) if self.is_last else torch.zeros(2, device=self.device)

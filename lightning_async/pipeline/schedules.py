@@ -1,44 +1,190 @@
-"""Pipeline schedules as data: each stage's ordered actions, with no processes involved.
+"""Pipeline schedules as data: each rank's ordered actions, with no processes involved.
 
-An :class:`Action` is ``F`` (forward of one micro-batch), ``B`` (its backward) or ``U`` (the optimizer
-update after the last backward of a batch). Micro-batches carry *global* indices
-``batch * n_microbatches + i``, so a schedule can span batch boundaries.
+An :class:`Action` runs one micro-batch through one of the rank's *chunks* (virtual stages): ``F`` its forward,
+``B`` its whole backward, or the backward split in two (zero-bubble schedules): ``I`` the gradient with respect
+to the chunk's inputs (what the previous stage waits for) and ``W`` the gradient with respect to its weights
+(which nobody waits for, so it can fill a bubble). ``U`` is the rank's optimizer update after the last backward
+of a batch. Micro-batches carry *global* indices ``batch * n_microbatches + i``, so a schedule can span batch
+boundaries.
+
+Virtual stages: the model is cut into ``p x v`` pieces; rank ``r`` holds ``v`` of them. ``loop`` placement (the
+interleaved schedule) gives rank ``r`` the pieces ``r, r + p, r + 2p, ...``; ``v`` placement (ZB-V) gives it
+``r`` and ``2p - 1 - r``, so the first and the last piece (the embedding and the head) share rank 0.
 
 * ``gpipe``: per batch, all forwards then all backwards, then the update (flush every batch).
 * ``1f1b``: per batch, warmup forwards, one-forward-one-backward, cooldown, update (flush every batch).
+* ``zbh1``: ZB-H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism"): 1F1B with the backward split, the
+  weight gradients of rank ``r`` deferred by ``r`` micro-batches into the cooldown, where they fill the bubble
+  1F1B leaves there (about a third of 1F1B's bubble when F, I and W take equal time; the same peak memory).
+* ``interleaved``: interleaved 1F1B (Narayanan et al. 2021; Megatron-LM) over ``v`` chunks per rank in loop
+  placement: the warm-up and cooldown bubbles shrink by ``v``, at ``v`` times the messages.
+* ``zbv``: ZB-V (Qi et al. 2024, section 6): two chunks per rank in a V, split backward; close to no bubble
+  once ``m >= 2p``, with 1F1B's peak activation memory.
 * ``2bw``: PipeDream-2BW. One endless 1F1B stream over global micro-batches; stage ``s`` updates right
   after the last backward of batch ``b``, while micro-batches of batch ``b + 1`` are in flight.
   There is no flush between batches; :func:`drain_actions` empties the pipeline when needed
   (before validation, a checkpoint, or the end of fit).
 
-The runtime executes one *call* per training batch. :func:`call_actions` gives the actions of the
-call for batch ``b``: for the flushing schedules the whole batch, for ``2bw`` everything in the
-stream before the first forward of batch ``b + 1`` (a stage cannot run that forward before the
-next batch is handed over).
+The runtime executes one *call* per training batch. :meth:`ScheduleSpec.call_actions` gives the actions of the
+call for batch ``b``: for the flushing schedules the whole batch, for ``2bw`` everything in the stream before the
+first forward of batch ``b + 1`` (a stage cannot run that forward before the next batch is handed over).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 
-SCHEDULES = ("gpipe", "1f1b", "2bw")
-FORWARD, BACKWARD, UPDATE = "F", "B", "U"
+FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD, UPDATE = "F", "B", "I", "W", "U"
+#: actions that send a gradient to the previous virtual stage (and need the next one's)
+GRADIENT_ACTIONS = (BACKWARD, INPUT_GRAD)
+LOOP, V_SHAPE = "loop", "v"
 
 
 @dataclass(frozen=True)
+class Action:
+    kind: str  # "F", "B", "I", "W" or "U"
+    microbatch: int  # global micro-batch index; for "U" the last micro-batch of the batch
+    batch: int
+    chunk: int = 0  # which of the rank's chunks (virtual stages) it runs on
+
+    def __repr__(self) -> str:
+        if self.kind == UPDATE:
+            return f"U(b{self.batch})"
+        return f"{self.kind}{self.microbatch}" + (f"c{self.chunk}" if self.chunk else "")
+
+
+# ------------------------------------------------------------------------------------------- placements
+def virtual_stage(rank: int, chunk: int, num_stages: int, placement: str = LOOP) -> int:
+    """The model piece (virtual stage) chunk ``chunk`` of rank ``rank`` runs, of ``num_stages x chunks`` pieces."""
+    if placement == V_SHAPE:
+        return rank if chunk == 0 else 2 * num_stages - 1 - rank
+    return chunk * num_stages + rank
+
+
+def rank_and_chunk(piece: int, num_stages: int, placement: str = LOOP) -> tuple[int, int]:
+    """Inverse of :func:`virtual_stage`: which rank holds virtual stage ``piece``, as which of its chunks."""
+    if placement == V_SHAPE:
+        return (piece, 0) if piece < num_stages else (2 * num_stages - 1 - piece, 1)
+    return piece % num_stages, piece // num_stages
+
+
+# ------------------------------------------------------------------------------------------- one batch each
+def _b(kind: str, first: int, m: int):
+    """A maker of actions of one kind for the batch whose first micro-batch is ``first``."""
+    batch = first // m
+    return lambda i, chunk=0: Action(kind, first + i, batch, chunk)
+
+
+def warmup_forwards(stage: int, num_stages: int) -> int:
+    """Forwards a stage runs before its first backward in 1F1B order."""
+    return num_stages - stage - 1
+
+
+def _gpipe(rank: int, p: int, m: int, v: int, first: int) -> list[Action]:
+    f, b = _b(FORWARD, first, m), _b(BACKWARD, first, m)
+    return [f(i) for i in range(m)] + [b(i) for i in range(m)]
+
+
+def _one_f_one_b(rank: int, p: int, m: int, v: int, first: int) -> list[Action]:
+    f, b = _b(FORWARD, first, m), _b(BACKWARD, first, m)
+    w = min(warmup_forwards(rank, p), m)
+    actions = [f(i) for i in range(w)]
+    for k in range(m - w):
+        actions += [f(w + k), b(k)]
+    return actions + [b(k) for k in range(m - w, m)]
+
+
+def _zb_h1(rank: int, p: int, m: int, v: int, first: int) -> list[Action]:
+    """1F1B with ``B = I + W``; rank ``r`` keeps up to ``r`` weight gradients pending in the steady phase and runs
+    one after each input gradient of the cooldown, then the rest (its bubble)."""
+    f, i_, w_ = _b(FORWARD, first, m), _b(INPUT_GRAD, first, m), _b(WEIGHT_GRAD, first, m)
+    warm = min(warmup_forwards(rank, p), m)
+    actions = [f(k) for k in range(warm)]
+    pending: deque[int] = deque()
+    for k in range(m):
+        if k < m - warm:
+            actions.append(f(warm + k))
+        actions.append(i_(k))
+        pending.append(k)
+        if k >= m - warm or len(pending) > rank:
+            actions.append(w_(pending.popleft()))
+    return actions + [w_(k) for k in pending]
+
+
+def _interleaved(rank: int, p: int, m: int, v: int, first: int) -> list[Action]:
+    """Megatron's interleaved 1F1B: forwards in groups of ``p`` micro-batches per chunk, chunks in order;
+    backwards the same with chunks reversed; ``2 (p - r - 1) + (v - 1) p`` warm-up forwards."""
+    f, b = _b(FORWARD, first, m), _b(BACKWARD, first, m)
+    total = m * v
+
+    def order(k: int, backward: bool) -> tuple[int, int]:
+        chunk = (k // p) % v
+        return (k // (p * v)) * p + k % p, (v - 1 - chunk if backward else chunk)
+
+    warm = total if m == p else min(2 * (p - rank - 1) + (v - 1) * p, total)
+    actions = [f(*order(k, False)) for k in range(warm)]
+    for k in range(total - warm):
+        actions += [f(*order(warm + k, False)), b(*order(k, True))]
+    return actions + [b(*order(k, True)) for k in range(total - warm, total)]
+
+
+def _zb_v(rank: int, p: int, m: int, v: int, first: int) -> list[Action]:
+    """ZB-V (the zero-bubble paper, section 6): chunk 0 runs down the V, chunk 1 back up; phases as the paper's
+    figure: chunk-0 forwards, paired forwards, chunk-1 F-I-W, the stable F-I-W of both chunks, the cooldown.
+    Built for ``max(m, 2p - 1)`` micro-batches, then the ones beyond ``m`` dropped (few micro-batches)."""
+    n = max(m, 2 * p - 1)
+    makers = {k: _b(k, first, m) for k in (FORWARD, INPUT_GRAD, WEIGHT_GRAD)}
+    count = {(k, c): 0 for k in (FORWARD, INPUT_GRAD, WEIGHT_GRAD) for c in (0, 1)}
+    out: list[Action] = []
+
+    def run(kind: str, chunk: int) -> None:
+        out.append(makers[kind](count[kind, chunk], chunk))
+        count[kind, chunk] += 1
+
+    for _ in range(2 * (p - rank) - 1):
+        run(FORWARD, 0)
+    for _ in range(rank):
+        run(FORWARD, 1)
+        run(FORWARD, 0)
+    for _ in range(p - rank):
+        run(FORWARD, 1), run(INPUT_GRAD, 1), run(WEIGHT_GRAD, 1)
+    while count[FORWARD, 1] < count[FORWARD, 0] or count[FORWARD, 0] < n:
+        if count[FORWARD, 0] < n:
+            run(FORWARD, 0)
+        run(INPUT_GRAD, 0), run(WEIGHT_GRAD, 0)
+        run(FORWARD, 1), run(INPUT_GRAD, 1), run(WEIGHT_GRAD, 1)
+    for _ in range(rank):
+        run(INPUT_GRAD, 0), run(INPUT_GRAD, 1)
+    for _ in range(p - rank):
+        run(INPUT_GRAD, 0), run(WEIGHT_GRAD, 0)
+    while count[WEIGHT_GRAD, 1] < count[INPUT_GRAD, 1]:
+        run(WEIGHT_GRAD, 1)
+    while count[WEIGHT_GRAD, 0] < count[INPUT_GRAD, 0]:
+        run(WEIGHT_GRAD, 0)
+    return [a for a in out if a.microbatch - first < m]
+
+
+# ------------------------------------------------------------------------------------------- the specs
+@dataclass(frozen=True)
 class ScheduleSpec:
-    """What a schedule means for everything outside the action lists (the one place that says it).
+    """What a schedule means for everything outside the action lists, and its action lists (the one place that
+    says either).
 
     Attributes:
-        name: ``gpipe``, ``1f1b`` or ``2bw``.
+        name: the schedule's name (``SCHEDULES``).
         delayed: updates apply gradients one step stale (no flush between batches): staleness corrections apply.
         weight_versions: weight versions a stage keeps (2BW: two, ``slot[b % 2]`` holds ``V(b)``).
         flushes: the pipeline is empty at every batch boundary.
         loss_lag: a training step can report the loss of the batch this many steps back without waiting
             (2BW: the last stage finishes batch ``b`` while the first stage already runs ``b + 1``).
-        one_forward_one_backward: forwards and backwards interleave (1F1B order), which needs at least as many
-            micro-batches per batch as stages.
+        min_microbatches_per_stage: micro-batches per batch must be at least this many times the stages.
+        chunks: model pieces (virtual stages) per rank.
+        placement: ``loop`` (rank ``r`` holds pieces ``r, r + p, ...``) or ``v`` (``r`` and ``2p - 1 - r``).
+        split_backward: the backward runs as ``I`` (input gradient) and ``W`` (weight gradient) actions.
+        microbatch_multiple_of_stages: micro-batches per batch must be a multiple of the stages.
+        per_batch: the flushing schedules' actions of one batch ``(rank, p, m, chunks, first micro-batch)``.
     """
 
     name: str
@@ -46,7 +192,18 @@ class ScheduleSpec:
     weight_versions: int
     flushes: bool
     loss_lag: int
-    one_forward_one_backward: bool
+    min_microbatches_per_stage: int
+    chunks: int = 1
+    placement: str = LOOP
+    split_backward: bool = False
+    microbatch_multiple_of_stages: bool = False
+    per_batch: Callable | None = None
+    configurable_chunks: bool = False
+
+    @property
+    def one_forward_one_backward(self) -> bool:
+        """Forwards and backwards interleave (1F1B order), which needs at least as many micro-batches as stages."""
+        return self.min_microbatches_per_stage > 0
 
     def require_delay(self, what: str) -> None:
         """Refuse ``what`` (a correction, EF) on a schedule without a delay, naming the fix."""
@@ -56,69 +213,127 @@ class ScheduleSpec:
                 "(no delay). Use strategy='async_pipe' (schedule='2bw') or remove the correction."
             )
 
+    def with_chunks(self, chunks: int | None) -> "ScheduleSpec":
+        """This schedule with ``chunks`` virtual stages per rank (only ``interleaved`` takes a number)."""
+        if chunks is None or chunks == self.chunks:
+            return self
+        if not self.configurable_chunks:
+            raise ValueError(
+                f"Schedule {self.name!r} runs {self.chunks} chunk(s) per rank; virtual_stages={chunks} applies to "
+                "schedule 'interleaved' only."
+            )
+        if not isinstance(chunks, int) or chunks < 2:
+            raise ValueError(f"virtual_stages must be an integer >= 2 for schedule 'interleaved', got {chunks!r}.")
+        return replace(self, chunks=chunks)
+
+    def virtual_stages(self, num_stages: int) -> int:
+        return num_stages * self.chunks
+
+    def piece(self, rank: int, chunk: int, num_stages: int) -> int:
+        return virtual_stage(rank, chunk, num_stages, self.placement)
+
+    def holder(self, piece: int, num_stages: int) -> tuple[int, int]:
+        return rank_and_chunk(piece, num_stages, self.placement)
+
+    def validate(self, num_stages: int, n_microbatches: int) -> None:
+        """Raise ``ValueError`` (with the fix) for settings this schedule cannot run."""
+        if num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {num_stages}.")
+        if n_microbatches < 1:
+            raise ValueError(f"n_microbatches must be >= 1, got {n_microbatches}.")
+        need = self.min_microbatches_per_stage * num_stages
+        if n_microbatches < need:
+            raise ValueError(
+                f"schedule {self.name!r} needs at least as many micro-batches per batch as pipeline stages "
+                f"(n_microbatches={n_microbatches} < {num_stages} stages). Raise n_microbatches to >= {need} "
+                f"or use fewer stages."
+            )
+        if self.microbatch_multiple_of_stages and n_microbatches % num_stages:
+            raise ValueError(
+                f"schedule {self.name!r} needs n_microbatches to be a multiple of the pipeline stages "
+                f"(n_microbatches={n_microbatches}, {num_stages} stages): use "
+                f"{(n_microbatches // num_stages + 1) * num_stages}."
+            )
+
+    # ---- action lists -----------------------------------------------------------------------------
+    def call_actions(self, stage: int, num_stages: int, n_microbatches: int, batch: int, fresh: bool = True) -> list[Action]:
+        """Actions of the training call for ``batch`` on rank ``stage``.
+
+        ``fresh`` (``2bw`` only): the pipeline is empty before this call (first batch, or after a drain).
+        For ``2bw`` the result equals the slice of :func:`stream_2bw` between the first forwards of ``batch`` and
+        ``batch + 1``.
+        """
+        self.validate(num_stages, n_microbatches)
+        if batch < 0:
+            raise ValueError(f"batch must be >= 0, got {batch}.")
+        if self.delayed and batch == 0 and not fresh:
+            raise ValueError("batch 0 always starts with an empty pipeline: use fresh=True.")
+        m = n_microbatches
+        if not self.delayed:
+            actions = self.per_batch(stage, num_stages, m, self.chunks, batch * m)
+            return actions + [Action(UPDATE, (batch + 1) * m - 1, batch)]
+        w = warmup_forwards(stage, num_stages)
+        begin, end = batch * m, (batch + 1) * m
+        if fresh:
+            warmup = [Action(FORWARD, begin + i, batch) for i in range(w)]
+            return warmup + _pairs(stage, num_stages, m, begin, end - w)
+        return _pairs(stage, num_stages, m, begin - w, end - w)
+
+    def drain_actions(self, stage: int, num_stages: int, n_microbatches: int, batch: int) -> list[Action]:
+        """Actions that empty the pipeline after the call for ``batch`` (empty for flushing schedules)."""
+        if batch < 0:
+            raise ValueError(f"batch must be >= 0, got {batch} (nothing to drain before the first batch).")
+        if not self.delayed:
+            return []
+        m, w = n_microbatches, warmup_forwards(stage, num_stages)
+        end = (batch + 1) * m
+        if w == 0:
+            return []  # the last stage finishes each batch inside its call
+        return [Action(BACKWARD, j, batch) for j in range(end - w, end)] + [Action(UPDATE, end - 1, batch)]
+
+    def run_actions(self, stage: int, num_stages: int, n_microbatches: int, num_batches: int) -> list[Action]:
+        """All actions of ``num_batches`` training calls followed by a drain (for tests and the simulator)."""
+        if num_batches < 1:
+            raise ValueError(f"num_batches must be >= 1, got {num_batches}.")
+        actions: list[Action] = []
+        for b in range(num_batches):
+            actions += self.call_actions(stage, num_stages, n_microbatches, b, fresh=b == 0)
+        return actions + self.drain_actions(stage, num_stages, n_microbatches, num_batches - 1)
+
+
+def _sync(name: str, per_batch: Callable, min_per_stage: int, **kwargs) -> ScheduleSpec:
+    return ScheduleSpec(name, delayed=False, weight_versions=1, flushes=True, loss_lag=0,
+                        min_microbatches_per_stage=min_per_stage, per_batch=per_batch, **kwargs)
+
 
 SPECS = {
-    "gpipe": ScheduleSpec("gpipe", delayed=False, weight_versions=1, flushes=True, loss_lag=0, one_forward_one_backward=False),
-    "1f1b": ScheduleSpec("1f1b", delayed=False, weight_versions=1, flushes=True, loss_lag=0, one_forward_one_backward=True),
-    "2bw": ScheduleSpec("2bw", delayed=True, weight_versions=2, flushes=False, loss_lag=1, one_forward_one_backward=True),
+    "gpipe": _sync("gpipe", _gpipe, 0),
+    "1f1b": _sync("1f1b", _one_f_one_b, 1),
+    "zbh1": _sync("zbh1", _zb_h1, 1, split_backward=True),
+    "interleaved": _sync("interleaved", _interleaved, 1, chunks=2, microbatch_multiple_of_stages=True,
+                         configurable_chunks=True),
+    "zbv": _sync("zbv", _zb_v, 0, chunks=2, placement=V_SHAPE, split_backward=True),
+    "2bw": ScheduleSpec("2bw", delayed=True, weight_versions=2, flushes=False, loss_lag=1, min_microbatches_per_stage=1),
 }
+SCHEDULES = tuple(SPECS)
+#: the synchronous schedule a comparison should beat: no stale gradients, the smallest bubble we run
+BEST_SYNC = "zbv"
 
 
-def spec(schedule: str) -> ScheduleSpec:
-    """The :class:`ScheduleSpec` of ``schedule`` (a clear error for an unknown name)."""
+def spec(schedule: "str | ScheduleSpec", virtual_stages: int | None = None) -> ScheduleSpec:
+    """The :class:`ScheduleSpec` of ``schedule`` (a name or a spec), with ``virtual_stages`` chunks per rank where
+    the schedule takes a number (a clear error for an unknown name)."""
+    if isinstance(schedule, ScheduleSpec):
+        return schedule.with_chunks(virtual_stages)
     if schedule not in SPECS:
         raise ValueError(
             f"Unknown pipeline schedule {schedule!r}. Choose one of: {', '.join(SCHEDULES)} "
-            "(or strategy='async_pipe', 'sync_pipe', 'gpipe_pipe')."
+            "(or strategy='async_pipe', 'sync_pipe', 'gpipe_pipe', 'zb_pipe')."
         )
-    return SPECS[schedule]
+    return SPECS[schedule].with_chunks(virtual_stages)
 
 
-@dataclass(frozen=True)
-class Action:
-    kind: str  # "F", "B" or "U"
-    microbatch: int  # global micro-batch index; for "U" the last micro-batch of the batch
-    batch: int
-
-    def __repr__(self) -> str:
-        return f"{self.kind}{self.microbatch}" if self.kind != UPDATE else f"U(b{self.batch})"
-
-
-def validate(schedule: str, num_stages: int, n_microbatches: int) -> None:
-    """Raise ``ValueError`` (with the fix) for settings no schedule can run."""
-    kind = spec(schedule)
-    if num_stages < 1:
-        raise ValueError(f"num_stages must be >= 1, got {num_stages}.")
-    if n_microbatches < 1:
-        raise ValueError(f"n_microbatches must be >= 1, got {n_microbatches}.")
-    if kind.one_forward_one_backward and n_microbatches < num_stages:
-        raise ValueError(
-            f"schedule {schedule!r} needs at least as many micro-batches per batch as pipeline stages "
-            f"(n_microbatches={n_microbatches} < {num_stages} stages). Raise n_microbatches to >= {num_stages} "
-            f"or use fewer stages."
-        )
-
-
-def warmup_forwards(stage: int, num_stages: int) -> int:
-    """Forwards a stage runs before its first backward in 1F1B order."""
-    return num_stages - stage - 1
-
-
-def _flushed_batch(schedule: str, stage: int, p: int, m: int, batch: int) -> list[Action]:
-    first = batch * m
-    fwd = [Action(FORWARD, first + i, batch) for i in range(m)]
-    bwd = [Action(BACKWARD, first + i, batch) for i in range(m)]
-    if schedule == "gpipe":
-        actions = fwd + bwd
-    else:
-        w = min(warmup_forwards(stage, p), m)
-        actions = fwd[:w]
-        for i in range(m - w):
-            actions += [fwd[w + i], bwd[i]]
-        actions += bwd[m - w :]
-    return actions + [Action(UPDATE, first + m - 1, batch)]
-
-
+# ------------------------------------------------------------------------------------------- 2BW's stream
 def stream_2bw(stage: int, num_stages: int, n_microbatches: int, first_batch: int = 0) -> Iterator[Action]:
     """The endless 2BW action stream of ``stage``, starting with an empty pipeline at ``first_batch``."""
     m, w = n_microbatches, warmup_forwards(stage, num_stages)
@@ -145,48 +360,68 @@ def _pairs(stage: int, num_stages: int, m: int, start: int, stop: int) -> list[A
     return out
 
 
-def call_actions(
-    schedule: str, stage: int, num_stages: int, n_microbatches: int, batch: int, fresh: bool = True
-) -> list[Action]:
-    """Actions of the training call for ``batch``.
+# ------------------------------------------------------------------------------------------- by name (tools, tests)
+def validate(schedule: "str | ScheduleSpec", num_stages: int, n_microbatches: int) -> None:
+    """Raise ``ValueError`` (with the fix) for settings no schedule can run."""
+    spec(schedule).validate(num_stages, n_microbatches)
 
-    ``fresh`` (``2bw`` only): the pipeline is empty before this call (first batch, or after a drain).
-    The result equals the slice of :func:`stream_2bw` between the first forwards of ``batch`` and
-    ``batch + 1``.
+
+def call_actions(schedule, stage: int, num_stages: int, n_microbatches: int, batch: int, fresh: bool = True) -> list[Action]:
+    """:meth:`ScheduleSpec.call_actions` of ``schedule`` (a name or a spec)."""
+    return spec(schedule).call_actions(stage, num_stages, n_microbatches, batch, fresh)
+
+
+def drain_actions(schedule, stage: int, num_stages: int, n_microbatches: int, batch: int) -> list[Action]:
+    """:meth:`ScheduleSpec.drain_actions` of ``schedule`` (a name or a spec)."""
+    return spec(schedule).drain_actions(stage, num_stages, n_microbatches, batch)
+
+
+def run_actions(schedule, stage: int, num_stages: int, n_microbatches: int, num_batches: int) -> list[Action]:
+    """:meth:`ScheduleSpec.run_actions` of ``schedule`` (a name or a spec)."""
+    return spec(schedule).run_actions(stage, num_stages, n_microbatches, num_batches)
+
+
+# ------------------------------------------------------------------------------------------- messages
+def messages(schedule: "str | ScheduleSpec", actions: list[Action], rank: int, num_stages: int) -> tuple[list, list]:
+    """The messages rank ``rank`` sends and receives, in the order ``actions`` runs them, as
+    ``(peer, kind, micro-batch, receiving piece)``; local hand-overs between two chunks of the rank are left out."""
+    s = spec(schedule)
+    last = s.virtual_stages(num_stages) - 1
+    sent, received = [], []
+    for a in actions:
+        if a.kind not in (FORWARD, *GRADIENT_ACTIONS):
+            continue
+        piece = s.piece(rank, a.chunk, num_stages)
+        forward = a.kind == FORWARD
+        source, target = (piece - 1, piece + 1) if forward else (piece + 1, piece - 1)
+        kind = "act" if forward else "grad"
+        if 0 <= source <= last and s.holder(source, num_stages)[0] != rank:
+            received.append((s.holder(source, num_stages)[0], kind, a.microbatch, piece))
+        if 0 <= target <= last and s.holder(target, num_stages)[0] != rank:
+            sent.append((s.holder(target, num_stages)[0], kind, a.microbatch, target))
+    return sent, received
+
+
+def message_order_mismatches(schedule: "str | ScheduleSpec", lists: list[list[Action]], per_channel: bool = True) -> list[str]:
+    """Rank pairs whose messages one side sends in another order than the other side receives them.
+
+    ``per_channel``: compare each channel (kind and receiving piece) on its own, as gloo's tags match them;
+    otherwise all messages from one rank to another together, as NCCL (no tags) matches them: a schedule runs on
+    NCCL only when that is empty.
     """
-    validate(schedule, num_stages, n_microbatches)
-    if batch < 0:
-        raise ValueError(f"batch must be >= 0, got {batch}.")
-    if schedule == "2bw" and batch == 0 and not fresh:
-        raise ValueError("batch 0 always starts with an empty pipeline: use fresh=True.")
-    if schedule != "2bw":
-        return _flushed_batch(schedule, stage, num_stages, n_microbatches, batch)
-    m, w = n_microbatches, warmup_forwards(stage, num_stages)
-    begin, end = batch * m, (batch + 1) * m
-    if fresh:
-        warmup = [Action(FORWARD, begin + i, batch) for i in range(w)]
-        return warmup + _pairs(stage, num_stages, m, begin, end - w)
-    return _pairs(stage, num_stages, m, begin - w, end - w)
-
-
-def drain_actions(schedule: str, stage: int, num_stages: int, n_microbatches: int, batch: int) -> list[Action]:
-    """Actions that empty the pipeline after the call for ``batch`` (empty for flushing schedules)."""
-    if batch < 0:
-        raise ValueError(f"batch must be >= 0, got {batch} (nothing to drain before the first batch).")
-    if schedule != "2bw":
-        return []
-    m, w = n_microbatches, warmup_forwards(stage, num_stages)
-    end = (batch + 1) * m
-    if w == 0:
-        return []  # the last stage finishes each batch inside its call
-    return [Action(BACKWARD, j, batch) for j in range(end - w, end)] + [Action(UPDATE, end - 1, batch)]
-
-
-def run_actions(schedule: str, stage: int, num_stages: int, n_microbatches: int, num_batches: int) -> list[Action]:
-    """All actions of ``num_batches`` training calls followed by a drain (for tests and the simulator)."""
-    if num_batches < 1:
-        raise ValueError(f"num_batches must be >= 1, got {num_batches}.")
-    actions: list[Action] = []
-    for b in range(num_batches):
-        actions += call_actions(schedule, stage, num_stages, n_microbatches, b, fresh=b == 0)
-    return actions + drain_actions(schedule, stage, num_stages, n_microbatches, num_batches - 1)
+    p = len(lists)
+    traffic = [messages(schedule, lists[r], r, p) for r in range(p)]
+    out = []
+    for a in range(p):
+        for b in range(p):
+            if a == b:
+                continue
+            sends = [(kind, mb, piece) for peer, kind, mb, piece in traffic[a][0] if peer == b]
+            recvs = [(kind, mb, piece) for peer, kind, mb, piece in traffic[b][1] if peer == a]
+            channels = {(kind, piece) for kind, _, piece in sends + recvs} if per_channel else {None}
+            for channel in sorted(channels, key=str):
+                one = [x for x in sends if channel is None or (x[0], x[2]) == channel]
+                other = [x for x in recvs if channel is None or (x[0], x[2]) == channel]
+                if one != other:
+                    out.append(f"rank {a} -> rank {b} ({channel or 'all'}): sent {one[:6]}..., received {other[:6]}...")
+    return out

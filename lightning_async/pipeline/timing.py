@@ -1,23 +1,27 @@
 """Timing and memory model of the pipeline schedules (pure Python, no torch).
 
-The simulator executes the per-stage action lists of :func:`~lightning_async.pipeline.schedules.run_actions`
-under the runtime's dependency rules:
+The simulator executes each rank's action list (:meth:`~lightning_async.pipeline.schedules.ScheduleSpec.run_actions`)
+under the runtime's dependency rules, on the model's pieces (virtual stages; one per rank except for the
+interleaved and V schedules):
 
-* a stage runs its own list strictly in order, one action at a time;
-* ``F(j)`` on stage ``s > 0`` needs ``F(j)`` on stage ``s - 1`` finished plus one hop of communication;
-* ``B(j)`` on stage ``s < p - 1`` needs ``B(j)`` on stage ``s + 1`` finished plus one hop; on the last stage
-  ``B(j)`` needs its own ``F(j)``;
-* ``U`` needs nothing but the actions before it on the same stage and takes ``update_s`` (default 0).
+* a rank runs its own list strictly in order, one action at a time;
+* ``F(j)`` of piece ``k > 0`` needs ``F(j)`` of piece ``k - 1`` finished, plus one hop of communication when the
+  two pieces live on different ranks;
+* ``B(j)`` / ``I(j)`` of piece ``k`` below the last needs ``B(j)`` / ``I(j)`` of piece ``k + 1`` (plus a hop); on
+  the last piece it needs its own ``F(j)``;
+* ``W(j)`` (the weight gradient of a split backward) needs nothing but the actions before it on its rank;
+* ``U`` likewise, and takes ``update_s`` (default 0).
 
-Every action starts as soon as its stage is free and its dependency has arrived. Because the order on each stage
-is fixed, the start times are the longest paths through this dependency graph; :func:`simulate` computes them with
-a work list that wakes a stage when the action it waits for finishes (an event-driven run in dependency order
-rather than in time order, with identical results). A stage whose next action can never become ready is reported
-as a deadlock.
+Every action starts as soon as its rank is free and its dependency has arrived. Because the order on each rank
+is fixed, the start times are the longest paths through this dependency graph; :func:`simulate_lists` computes
+them with a work list that wakes a rank when the action it waits for finishes (an event-driven run in dependency
+order rather than in time order, with identical results). A rank whose next action can never become ready is
+reported as a deadlock.
 
 Model assumptions: communication is a fixed latency per hop that overlaps with compute (sends are asynchronous,
 links have no contention and no bandwidth limit); compute times do not depend on the micro-batch or on what the
-neighbours do; the first stage's inputs and the last stage's targets are always available.
+neighbours do; a split backward takes as long as the whole one (``I + W = B``); the first piece's inputs and the
+last piece's targets are always available.
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from lightning_async.pipeline.schedules import BACKWARD, FORWARD, UPDATE, Action, run_actions, spec, validate
+from lightning_async.pipeline.schedules import (
+    BACKWARD, FORWARD, GRADIENT_ACTIONS, INPUT_GRAD, UPDATE, WEIGHT_GRAD, Action, ScheduleSpec, spec,
+)
 
 __all__ = [
     "DeadlockError",
@@ -36,6 +42,9 @@ __all__ = [
     "predict",
     "render_timeline",
     "simulate",
+    "inflight_and_versions",
+    "peak_activation_bytes",
+    "schedule_memory",
     "simulate_lists",
 ]
 
@@ -68,6 +77,7 @@ class SimResult:
     peak_inflight: list[int]
     weight_versions: list[int]
     busy_per_batch: list[float] = field(default_factory=list)
+    chunks: int = 1  # pieces per rank
 
     def summary(self) -> dict:
         """JSON-friendly digest (no trace)."""
@@ -99,22 +109,32 @@ def _per_stage(value: float | Sequence[float], p: int, name: str) -> list[float]
     return values
 
 
-def _per_hop(value: float | Sequence[float], p: int) -> list[float]:
+def _per_hop(value: float | Sequence[float], pieces: int) -> list[float]:
     if isinstance(value, (int, float)):
-        return [float(value)] * max(p - 1, 0)
+        return [float(value)] * max(pieces - 1, 0)
     values = [float(v) for v in value]
-    if len(values) != max(p - 1, 0):
-        raise ValueError(f"comm has {len(values)} entries, expected one per hop ({p - 1}).")
+    if len(values) != max(pieces - 1, 0):
+        raise ValueError(f"comm has {len(values)} entries, expected one per hop ({pieces - 1}).")
     return values
 
 
-def _version_used(schedule: str, batch: int) -> int:
+def _version_used(schedule: ScheduleSpec, batch: int) -> int:
     """Number of updates contained in the weights that ``batch`` runs on.
 
     Flushing schedules use the newest weights, ``W_b`` (updates ``U(0..b-1)``). 2BW uses ``V(b)``: updates
     ``U(0..b-2)``, i.e. ``max(b - 1, 0)`` of them (``V(0) = V(1) = W0``).
     """
-    return max(batch - 1, 0) if spec(schedule).delayed else batch
+    return max(batch - 1, 0) if schedule.delayed else batch
+
+
+def _durations(kind: str, tf: float, tb: float, tw: float) -> float:
+    if kind == FORWARD:
+        return tf
+    if kind == BACKWARD:
+        return tb
+    if kind == INPUT_GRAD:
+        return tb - tw
+    return tw  # WEIGHT_GRAD
 
 
 def simulate_lists(
@@ -123,63 +143,78 @@ def simulate_lists(
     backward: float | Sequence[float],
     comm: float | Sequence[float] = 0.0,
     update: float | Sequence[float] = 0.0,
+    weight: float | Sequence[float] | None = None,
+    schedule: "str | ScheduleSpec" = "1f1b",
 ) -> list[list[tuple[Action, float, float]]]:
-    """Run arbitrary per-stage action lists; return the trace ``[(action, start, end), ...]`` per stage.
+    """Run arbitrary per-rank action lists; return the trace ``[(action, start, end), ...]`` per rank.
 
-    Raises :class:`DeadlockError` naming each stuck stage's next action when the lists cannot complete.
+    ``forward``/``backward``/``weight`` (the ``W`` part of a split backward, default half of it) are per *piece*
+    (virtual stage: a scalar, or one value per piece in model order), ``comm`` per boundary between consecutive
+    pieces (a scalar or one per boundary; boundaries inside a rank cost nothing), ``update`` per rank.
+    ``schedule`` says which rank and chunk hold each piece. Raises :class:`DeadlockError` naming each stuck rank's
+    next action when the lists cannot complete.
     """
+    s_ = spec(schedule)
     p = len(actions)
-    tf, tb = _per_stage(forward, p, "forward"), _per_stage(backward, p, "backward")
-    tu, hop = _per_stage(update, p, "update"), _per_hop(comm, p)
-    done: list[dict[tuple[str, int], float]] = [{} for _ in range(p)]
+    pieces = s_.virtual_stages(p)
+    tf, tb = _per_stage(forward, pieces, "forward"), _per_stage(backward, pieces, "backward")
+    tw = [b / 2 for b in tb] if weight is None else _per_stage(weight, pieces, "weight")
+    tu, hop = _per_stage(update, p, "update"), _per_hop(comm, pieces)
+    holder = [s_.holder(k, p) for k in range(pieces)]
+    done: list[dict[tuple[str, int, int], float]] = [{} for _ in range(p)]
     ptr, free = [0] * p, [0.0] * p
     trace: list[list[tuple[Action, float, float]]] = [[] for _ in range(p)]
     pending, queued = deque(range(p)), [True] * p
 
-    def wake(s: int) -> None:
-        if 0 <= s < p and not queued[s]:
-            queued[s] = True
-            pending.append(s)
+    def wake(rank: int) -> None:
+        if not queued[rank]:
+            queued[rank] = True
+            pending.append(rank)
+
+    def arrival(piece: int, to: int, kinds: tuple[str, ...], mb: int) -> float | None:
+        """When ``piece``'s forward (or gradient) of ``mb`` reaches the neighbouring piece ``to``."""
+        r, c = holder[piece]
+        finished = next((done[r][k, mb, c] for k in kinds if (k, mb, c) in done[r]), None)
+        if finished is None:
+            return None
+        return finished + (hop[min(piece, to)] if r != holder[to][0] else 0.0)
 
     while pending:
-        s = pending.popleft()
-        queued[s] = False
-        todo = actions[s]
-        while ptr[s] < len(todo):
-            a = todo[ptr[s]]
-            if a.kind == FORWARD:
-                dep, delay = ((s - 1, (FORWARD, a.microbatch)), hop[s - 1]) if s > 0 else (None, 0.0)
-                duration = tf[s]
-            elif a.kind == BACKWARD:
-                if s < p - 1:
-                    dep, delay = (s + 1, (BACKWARD, a.microbatch)), hop[s]
-                else:
-                    dep, delay = (s, (FORWARD, a.microbatch)), 0.0
-                duration = tb[s]
-            elif a.kind == UPDATE:
-                dep, delay, duration = None, 0.0, tu[s]
-            else:
-                raise ValueError(f"unknown action kind {a.kind!r} in {a!r}")
+        r = pending.popleft()
+        queued[r] = False
+        todo = actions[r]
+        while ptr[r] < len(todo):
+            a = todo[ptr[r]]
             ready = 0.0
-            if dep is not None:
-                finished = done[dep[0]].get(dep[1])
-                if finished is None:
+            if a.kind == UPDATE:
+                duration = tu[r]
+            else:
+                if a.kind not in (FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD):
+                    raise ValueError(f"unknown action kind {a.kind!r} in {a!r}")
+                piece = s_.piece(r, a.chunk, p)
+                duration = _durations(a.kind, tf[piece], tb[piece], tw[piece])
+                if a.kind == FORWARD and piece > 0:
+                    ready = arrival(piece - 1, piece, (FORWARD,), a.microbatch)
+                elif a.kind in GRADIENT_ACTIONS and piece < pieces - 1:
+                    ready = arrival(piece + 1, piece, GRADIENT_ACTIONS, a.microbatch)
+                elif a.kind in GRADIENT_ACTIONS:
+                    ready = done[r].get((FORWARD, a.microbatch, a.chunk))
+                if ready is None:
                     break  # woken again when the dependency finishes
-                ready = finished + delay
-            start = max(free[s], ready)
+            start = max(free[r], ready)
             end = start + duration
-            key = (a.kind, a.microbatch if a.kind != UPDATE else a.batch)
-            if key in done[s]:
-                raise ValueError(f"stage {s} runs {a!r} twice")
-            done[s][key] = end
-            free[s] = end
-            trace[s].append((a, start, end))
-            ptr[s] += 1
-            if a.kind == FORWARD:
-                wake(s + 1)
-            elif a.kind == BACKWARD:
-                wake(s - 1)
-    stuck = [f"stage {s} waits at {actions[s][ptr[s]]!r} (#{ptr[s]})" for s in range(p) if ptr[s] < len(actions[s])]
+            key = (a.kind, a.microbatch if a.kind != UPDATE else a.batch, a.chunk)
+            if key in done[r]:
+                raise ValueError(f"rank {r} runs {a!r} twice")
+            done[r][key] = end
+            free[r] = end
+            trace[r].append((a, start, end))
+            ptr[r] += 1
+            if a.kind == FORWARD and piece < pieces - 1:
+                wake(holder[piece + 1][0])
+            elif a.kind in GRADIENT_ACTIONS and piece > 0:
+                wake(holder[piece - 1][0])
+    stuck = [f"stage {r} waits at {actions[r][ptr[r]]!r} (#{ptr[r]})" for r in range(p) if ptr[r] < len(actions[r])]
     if stuck:
         raise DeadlockError("pipeline deadlock: " + "; ".join(stuck))
     return trace
@@ -189,8 +224,18 @@ def _busy_in(intervals: list[tuple[Action, float, float]], lo: float, hi: float)
     return sum(max(0.0, min(e, hi) - max(s, lo)) for _, s, e in intervals)
 
 
+def _per_piece(value, s_: ScheduleSpec, p: int, name: str) -> list[float]:
+    """Times per piece from a rank's share (a scalar, or one per rank: each of its ``v`` pieces takes 1/v of it)
+    or from one value per piece."""
+    pieces = s_.virtual_stages(p)
+    if not isinstance(value, (int, float)) and len(value) == pieces and pieces != p:
+        return [float(x) for x in value]
+    share = _per_stage(value, p, name)
+    return [share[s_.holder(k, p)[0]] / s_.chunks for k in range(pieces)]
+
+
 def simulate(
-    schedule: str,
+    schedule: "str | ScheduleSpec",
     num_stages: int,
     n_microbatches: int,
     num_batches: int = 5,
@@ -199,23 +244,28 @@ def simulate(
     comm: float | Sequence[float] = 0.0,
     update: float | Sequence[float] = 0.0,
     warmup_batches: int | None = None,
+    weight: float | Sequence[float] | None = None,
 ) -> SimResult:
     """Simulate ``num_batches`` training calls plus the final drain of ``schedule``.
 
-    ``forward``/``backward``/``update``: time per micro-batch (update: per batch) on each stage, a scalar or one
-    value per stage. ``comm``: latency per hop, a scalar or one value per hop.
+    ``forward``/``backward``/``weight`` (the weight-gradient part of the backward, default half of it): a rank's
+    share of the model per micro-batch, a scalar or one value per rank (a schedule with ``v`` chunks per rank runs
+    each chunk in ``1/v`` of it), or one value per piece. ``update``: per batch and rank. ``comm``: latency per hop
+    between ranks, a scalar or one value per boundary between consecutive pieces.
 
     The steady state is measured between the end of batch ``warmup_batches`` (default 1, or 0 with fewer than
     4 batches) and the end of batch ``num_batches - 2`` (the last batch ends inside the drain, which is faster);
-    the end of a batch is when the last stage to apply its update finishes it.
+    the end of a batch is when the last rank to apply its update finishes it.
     """
-    validate(schedule, num_stages, n_microbatches)
+    s_ = spec(schedule)
+    s_.validate(num_stages, n_microbatches)
     if num_batches < 1:
         raise ValueError(f"num_batches must be >= 1, got {num_batches}.")
     p, m = num_stages, n_microbatches
-    lists = [run_actions(schedule, s, p, m, num_batches) for s in range(p)]
-    trace = simulate_lists(lists, forward, backward, comm, update)
-    tf, tb = _per_stage(forward, p, "forward"), _per_stage(backward, p, "backward")
+    lists = [s_.run_actions(r, p, m, num_batches) for r in range(p)]
+    tf, tb = _per_piece(forward, s_, p, "forward"), _per_piece(backward, s_, p, "backward")
+    tw = None if weight is None else _per_piece(weight, s_, p, "weight")
+    trace = simulate_lists(lists, tf, tb, comm, update, tw, s_)
     tu = _per_stage(update, p, "update")
 
     total = max((t[-1][2] for t in trace if t), default=0.0)
@@ -235,40 +285,20 @@ def simulate(
         lo, hi, n = 0.0, total, num_batches
     per_batch = (hi - lo) / n
 
-    busy_per_batch = [m * (tf[s] + tb[s]) + tu[s] for s in range(p)]
+    share = [sum(tf[k] + tb[k] for k in range(s_.virtual_stages(p)) if s_.holder(k, p)[0] == r) for r in range(p)]
+    busy_per_batch = [m * share[r] + tu[r] for r in range(p)]
     ideal = max(busy_per_batch)
     width = hi - lo
-    steady_busy = [_busy_in(trace[s], lo, hi) for s in range(p)]
+    steady_busy = [_busy_in(trace[r], lo, hi) for r in range(p)]
     bubble_stage = [1.0 - b / width if width > 0 else 0.0 for b in steady_busy]
     bubble = 1.0 - sum(steady_busy) / (p * width) if width > 0 else 0.0
     all_busy = [sum(e - s0 for _, s0, e in t) for t in trace]
     bubble_total_stage = [1.0 - b / total if total > 0 else 0.0 for b in all_busy]
     bubble_total = 1.0 - sum(all_busy) / (p * total) if total > 0 else 0.0
-
-    # In-flight activations and live weight versions, replayed in each stage's order.
-    peak_inflight, versions = [], []
-    for s in range(p):
-        inflight: dict[int, int] = {}  # batch -> micro-batches forwarded, not backwarded
-        updates, peak, live_peak, count = 0, 0, 1, 0
-        for a, _, _ in trace[s]:
-            if a.kind == FORWARD:
-                inflight[a.batch] = inflight.get(a.batch, 0) + 1
-                count += 1
-            elif a.kind == BACKWARD:
-                inflight[a.batch] -= 1
-                count -= 1
-                if not inflight[a.batch]:
-                    del inflight[a.batch]
-            else:
-                updates += 1
-            peak = max(peak, count)
-            live = {updates} | {_version_used(schedule, b) for b in inflight}
-            live_peak = max(live_peak, len(live))
-        peak_inflight.append(peak)
-        versions.append(live_peak)
+    peak_inflight, versions = inflight_and_versions(s_, [[a for a, _, _ in t] for t in trace])
 
     return SimResult(
-        schedule=schedule,
+        schedule=s_.name,
         num_stages=p,
         n_microbatches=m,
         num_batches=num_batches,
@@ -286,11 +316,59 @@ def simulate(
         peak_inflight=peak_inflight,
         weight_versions=versions,
         busy_per_batch=busy_per_batch,
+        chunks=s_.chunks,
     )
 
 
+def peak_activation_bytes(schedule: "str | ScheduleSpec", lists: Sequence[Sequence[Action]], piece_bytes: Sequence[float]) -> list[float]:
+    """Per rank, replaying its list: the peak of the activation bytes held (each micro-batch forwarded on a piece
+    counts that piece's bytes until its backward, or its weight gradient when the backward is split)."""
+    s_ = spec(schedule)
+    releases = WEIGHT_GRAD if s_.split_backward else BACKWARD
+    p, peaks = len(lists), []
+    for r, actions in enumerate(lists):
+        held = peak = 0.0
+        for a in actions:
+            if a.kind == FORWARD:
+                held += piece_bytes[s_.piece(r, a.chunk, p)]
+            elif a.kind == releases:
+                held -= piece_bytes[s_.piece(r, a.chunk, p)]
+            peak = max(peak, held)
+        peaks.append(peak)
+    return peaks
+
+
+def inflight_and_versions(schedule: "str | ScheduleSpec", lists: Sequence[Sequence[Action]]) -> tuple[list[float], list[int]]:
+    """Per rank, replaying its list: the peak activations in flight, in micro-batches of the rank's whole share
+    (a chunk's micro-batch counts ``1/v``; held from ``F`` until ``B``, or until ``W`` when the backward is split),
+    and the peak number of live weight versions."""
+    s_ = spec(schedule)
+    releases = WEIGHT_GRAD if s_.split_backward else BACKWARD
+    peaks, versions = [], []
+    for actions in lists:
+        inflight: dict[int, int] = {}  # batch -> (chunk, micro-batch) activations held
+        updates, peak, live_peak, count = 0, 0, 1, 0
+        for a in actions:
+            if a.kind == FORWARD:
+                inflight[a.batch] = inflight.get(a.batch, 0) + 1
+                count += 1
+            elif a.kind == releases:
+                inflight[a.batch] -= 1
+                count -= 1
+                if not inflight[a.batch]:
+                    del inflight[a.batch]
+            elif a.kind == UPDATE:
+                updates += 1
+            peak = max(peak, count)
+            live = {updates} | {_version_used(s_, b) for b in inflight}
+            live_peak = max(live_peak, len(live))
+        peaks.append(peak / s_.chunks if s_.chunks > 1 else peak)
+        versions.append(live_peak)
+    return peaks, versions
+
+
 def predict(
-    schedule: str,
+    schedule: "str | ScheduleSpec",
     p: int,
     m: int,
     forward_s: float | Sequence[float],
@@ -298,6 +376,7 @@ def predict(
     comm_s: float | Sequence[float] = 0.0,
     num_batches: int = 6,
     update_s: float | Sequence[float] = 0.0,
+    weight_s: float | Sequence[float] | None = None,
 ) -> dict:
     """Predicted timing of ``num_batches`` training batches, for putting next to a measured run.
 
@@ -307,9 +386,9 @@ def predict(
     ``peak_inflight`` and ``weight_versions`` per stage, and ``batch_end_s`` (when each batch's last update
     finished).
     """
-    r = simulate(schedule, p, m, num_batches, forward_s, backward_s, comm_s, update_s)
+    r = simulate(schedule, p, m, num_batches, forward_s, backward_s, comm_s, update_s, weight=weight_s)
     return {
-        "schedule": schedule,
+        "schedule": r.schedule,
         "p": p,
         "m": m,
         "num_batches": num_batches,
@@ -386,6 +465,50 @@ def memory_model(
                 twobw_ef=3 * params[s] + base + a_2bw,
             )
         )
+    return out
+
+
+def schedule_memory(
+    schedule: "str | ScheduleSpec",
+    num_stages: int,
+    n_microbatches: int,
+    param_bytes: int | Sequence[int],
+    optimizer_bytes: int | Sequence[int],
+    activation_bytes: int | Sequence[int],
+    correction_buffers: int = 0,
+    grad_bytes: int | Sequence[int] | None = None,
+) -> list[dict[str, int]]:
+    """Per rank, the bytes ``schedule`` holds at its peak: weights (one version per ``weight_versions``), one
+    gradient accumulator, optimizer state, a correction's parameter-sized buffers (EF: 1), and the activations of the
+    micro-batches in flight at the peak (:func:`peak_activation_bytes`: held from a micro-batch's forward until its
+    backward, or its weight gradient when the backward is split).
+
+    ``param_bytes``/``optimizer_bytes``/``grad_bytes`` (default ``param_bytes``): a rank's share, a scalar or one value
+    per rank, the same whatever the schedule. ``activation_bytes``: what one micro-batch saves for the backward on a
+    rank's whole share (a scalar or one per rank: a schedule with ``v`` chunks holds ``v`` pieces of ``1/v`` of it
+    each), or one value per piece.
+    """
+    s_ = spec(schedule)
+    p = num_stages
+    lists = [s_.run_actions(r, p, n_microbatches, 2) for r in range(p)]
+    inflight, _ = inflight_and_versions(s_, lists)
+
+    def per(v, name):
+        return [int(x) for x in _per_stage(v, p, name)]
+
+    params, opt = per(param_bytes, "param_bytes"), per(optimizer_bytes, "optimizer_bytes")
+    piece_bytes = _per_piece(activation_bytes, s_, p, "activation_bytes")
+    activations = peak_activation_bytes(s_, lists, piece_bytes)
+    grads = params if grad_bytes is None else per(grad_bytes, "grad_bytes")
+    out = []
+    for r in range(p):
+        row = {
+            "weights": s_.weight_versions * params[r], "gradients": grads[r], "optimizer": opt[r],
+            "correction": correction_buffers * params[r], "activations": int(round(activations[r])),
+            "inflight_microbatches": inflight[r],
+        }
+        row["total"] = row["weights"] + row["gradients"] + row["optimizer"] + row["correction"] + row["activations"]
+        out.append(row)
     return out
 
 

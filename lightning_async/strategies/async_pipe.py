@@ -27,11 +27,11 @@ from lightning_async.callbacks.divergence import DivergenceGuard
 from lightning_async.optim.corrections import Correction, ErrorFeedback, build_correction
 from lightning_async.pipeline import schedules
 from lightning_async.pipeline.contract import check_pipeline_contract
-from lightning_async.pipeline.groups import make_pipeline_groups, synchronize_initial_weights
 from lightning_async.pipeline.mesh import PipelineMesh
 from lightning_async.pipeline.partition import partition_units
+from lightning_async.pipeline.rank import build_rank
 from lightning_async.pipeline.runtime import PipelineRuntime
-from lightning_async.pipeline.stage import RankStage, build_rank_stage, prune_to_stage
+from lightning_async.pipeline.stage import RankStage, prune_to_stage
 from lightning_async.strategies import compat
 from lightning_async.strategies.checkpoints import PipelineCheckpoints
 from lightning_async.strategies.memory_log import gather_memory_reports, log_memory_reports
@@ -62,11 +62,16 @@ class StageTerminated(SIGTERMException):
 
 
 class AsyncPipelineStrategy(DDPStrategy):
-    """One process per pipeline stage; trains with PipeDream-2BW (``schedule="2bw"``) or flushing 1F1B/GPipe.
+    """One process per pipeline stage; trains with PipeDream-2BW (``schedule="2bw"``) or a synchronous schedule.
 
     Args:
-        schedule: ``"2bw"`` (asynchronous, one-step delay), ``"1f1b"`` or ``"gpipe"`` (synchronous).
-        n_microbatches: micro-batches per batch (``>=`` stages for 2bw and 1f1b); default: 2 x stages.
+        schedule: ``"2bw"`` (asynchronous, one-step delay) or a synchronous one: ``"1f1b"``, ``"gpipe"``, ``"zbh1"``
+            (zero-bubble H1), ``"interleaved"`` (interleaved 1F1B over ``virtual_stages`` chunks per stage) or
+            ``"zbv"`` (zero-bubble V: two chunks per stage; the best synchronous baseline, ``strategy="zb_pipe"``).
+            See ``docs/schedules.md``.
+        virtual_stages: chunks per stage for ``schedule="interleaved"`` (default 2).
+        n_microbatches: micro-batches per batch (``>=`` stages for 2bw, 1f1b, zbh1 and interleaved, a multiple of
+            the stages for interleaved); default: 2 x stages.
         pipeline_parallel_size: stages per pipeline; default: all processes (``data_parallel_size=1``).
         data_parallel_size: pipeline replicas; gradients of each stage are averaged over replicas.
         partition: ``"uniform"``, ``"parameters"``, ``"time"`` or the unit names where stages 1.. begin.
@@ -89,6 +94,7 @@ class AsyncPipelineStrategy(DDPStrategy):
         self,
         schedule: str = "2bw",
         n_microbatches: int | None = None,
+        virtual_stages: int | None = None,
         pipeline_parallel_size: int | None = None,
         data_parallel_size: int | None = None,
         partition: str | list[str] = "uniform",
@@ -100,7 +106,7 @@ class AsyncPipelineStrategy(DDPStrategy):
         start_method: str = "popen",
         **kwargs: Any,
     ) -> None:
-        self.schedule_spec = schedules.spec(schedule)
+        self.schedule_spec = schedules.spec(schedule, virtual_stages)
         timeout = _checked_timeout(timeout)
         super().__init__(process_group_backend=process_group_backend, timeout=timeout, start_method=start_method, **kwargs)
         if error_feedback:
@@ -165,8 +171,17 @@ class AsyncPipelineStrategy(DDPStrategy):
     def validate_mesh(self) -> None:
         """Every check that needs no communication; raised identically on every rank."""
         pp = self.pipeline_parallel_size  # (raises if the sizes do not tile the world)
-        schedules.validate(self.schedule, pp, self.n_microbatches)
+        spec = self.schedule_spec
+        spec.validate(pp, self.n_microbatches)
         backend = self._process_group_backend
+        if (backend == "nccl" or self.root_device.type == "cuda") and pp > 1:
+            lists = [spec.run_actions(r, pp, self.n_microbatches, 1) for r in range(pp)]
+            if schedules.message_order_mismatches(spec, lists, per_channel=False):
+                raise ValueError(
+                    f"Schedule {spec.name!r} sends messages between two stages in another order than the receiver "
+                    "posts them, which NCCL (no tags) cannot match. Use schedule='zbh1' or 'interleaved' on GPUs, or "
+                    "run it on CPUs (gloo)."
+                )
         if backend == "nccl" and self.root_device.type != "cuda":
             raise ValueError(
                 "process_group_backend='nccl' needs CUDA tensors, but this run is on the CPU. "
@@ -181,7 +196,7 @@ class AsyncPipelineStrategy(DDPStrategy):
         if module is not None:
             check_pipeline_contract(module)
             if self.partition != "time":  # 'time' measures the units on their device: checked in setup
-                partition_units(list(module.pipeline_units()), pp, self.partition)
+                partition_units(list(module.pipeline_units()), spec.virtual_stages(pp), self.partition)
 
     def validate_launch(self, trainer) -> None:
         """What the launching process checks before other ranks start: the mesh and the run's corrections."""
@@ -235,14 +250,47 @@ class AsyncPipelineStrategy(DDPStrategy):
         self._stop_on_sigterm(trainer)
         if self.data_parallel_size == 1:  # every stage reads the batches a single-device run would, in its order
             compat.keep_training_sampler(trainer)
-        stage = self._split(module)
-        self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        groups = make_pipeline_groups(self.global_rank, self.world, self.pipeline_parallel_size, timeout=self._timeout)
+        units = list(module.pipeline_units())
+        before = getattr(module, "_lightning_async_split", None)
+        self.stage_units = self._stage_units(module, units, before)
         rank_zero_info(
             f"async_pipe: schedule={self.schedule}, stages={self.pipeline_parallel_size}, replicas={self.data_parallel_size}, "
-            f"micro-batches={self.n_microbatches}; stage units: {self.stage_units}"
+            f"micro-batches={self.n_microbatches}, chunks per stage={self.schedule_spec.chunks}; units: {self.stage_units}"
         )
+        built = build_rank(
+            units, self.schedule_spec, self.n_microbatches, module.pipeline_split_batch, module.pipeline_loss,
+            make_optimizer=lambda stage: self._prepare_stage(trainer, module, units, stage, before),
+            rank=self.global_rank, world_size=self.world, pipeline_parallel_size=self.pipeline_parallel_size,
+            stage_units=self.stage_units, tied=None if before is None else before["tied"], timeout=self._timeout,
+            **self._runtime_options(trainer, module),
+        )
+        self.runtime = built.runtime
+
+    def _stage_units(self, module, units, before: dict | None) -> list[list[str]]:
+        """The units of every piece: the split of an earlier setup of this module, or a new one (rank 0 decides)."""
+        pieces = self.schedule_spec.virtual_stages(self.pipeline_parallel_size)
+        if before is not None:  # validate/test/fit again on a module this strategy already split
+            if len(before["stage_units"]) != pieces:
+                raise ValueError(
+                    f"This module was already split into {len(before['stage_units'])} pipeline pieces; it cannot "
+                    f"be re-split into {pieces}. Build a fresh module (or load the consolidated checkpoint)."
+                )
+            return before["stage_units"]
+        example = getattr(module, "example_input_array", None)
+        if self.partition == "time" and example is None:
+            raise ValueError("partition='time' measures each unit on module.example_input_array: set it (a batch of inputs).")
+        stage_units = partition_units(
+            units, pieces, self.partition, example_input=example, context_fn=getattr(module, "pipeline_context", None),
+        )
+        return self.broadcast(stage_units)  # measured times differ per rank: rank 0 decides
+
+    def _prepare_stage(self, trainer, module, units, stage: RankStage, before: dict | None):
+        """Between building this rank's stage and its runtime: prune the module to it, move it, set up the optimizer."""
+        if before is None:
+            prune_to_stage(module, units, self.stage_units, self.stage, self.schedule_spec)
+            module._lightning_async_split = {"stage_units": self.stage_units, "tied": stage.tied}
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             _add_divergence_guard(trainer)
             self.setup_optimizers(trainer)
@@ -250,35 +298,8 @@ class AsyncPipelineStrategy(DDPStrategy):
                 raise ValueError("The pipeline strategy supports exactly one optimizer per stage (use the zoo's composite optimizers).")
         self.setup_precision_plugin()
         self._check_precision_and_cluster()
-        synchronize_initial_weights(groups, stage.module, stage.tied)
-        self.runtime = self._build_runtime(trainer, module, stage, groups)
-
-    def _split(self, module) -> RankStage:
-        """This rank's stage of ``module`` (pruning the other stages' units), or the split of an earlier setup."""
-        units = list(module.pipeline_units())
-        before = getattr(module, "_lightning_async_split", None)
-        if before is not None:  # validate/test/fit again on a module this strategy already split
-            if len(before["stage_units"]) != self.pipeline_parallel_size:
-                raise ValueError(
-                    f"This module was already split into {len(before['stage_units'])} pipeline stages; it cannot "
-                    f"be re-split into {self.pipeline_parallel_size}. Build a fresh module (or load the consolidated checkpoint)."
-                )
-            self.stage_units = before["stage_units"]
-            stage = build_rank_stage(units, self.stage, self.stage_units)
-            stage.tied = before["tied"]  # (the other stages' halves of a tie are placeholders now)
-            return stage
-        example = getattr(module, "example_input_array", None)
-        if self.partition == "time" and example is None:
-            raise ValueError("partition='time' measures each unit on module.example_input_array: set it (a batch of inputs).")
-        stage_units = partition_units(
-            units, self.pipeline_parallel_size, self.partition, example_input=example,
-            context_fn=getattr(module, "pipeline_context", None),
-        )
-        self.stage_units = self.broadcast(stage_units)  # measured times differ per rank: rank 0 decides
-        stage = build_rank_stage(units, self.stage, self.stage_units)
-        prune_to_stage(module, units, self.stage_units, self.stage)
-        module._lightning_async_split = {"stage_units": self.stage_units, "tied": stage.tied}
-        return stage
+        # validate/test without fit: the runtime needs an optimizer object but never steps it
+        return self.optimizers[0] if self.optimizers else torch.optim.SGD(stage.module.parameters(), lr=0.0)
 
     def _check_precision_and_cluster(self) -> None:
         if getattr(self.precision_plugin, "scaler", None) is not None:
@@ -291,18 +312,14 @@ class AsyncPipelineStrategy(DDPStrategy):
             # of a pipeline call on every rank; that cannot be drained consistently.
             self.cluster_environment.auto_requeue = False
 
-    def _build_runtime(self, trainer, module, stage: RankStage, groups) -> PipelineRuntime:
-        # validate/test without fit: the runtime needs an optimizer object but never steps it
-        optimizer = self.optimizers[0] if self.optimizers else torch.optim.SGD(stage.module.parameters(), lr=0.0)
+    def _runtime_options(self, trainer, module) -> dict:
         clip = trainer.gradient_clip_val if trainer.state.fn == TrainerFn.FITTING else None
         if clip and trainer.gradient_clip_algorithm not in (None, "norm"):
             raise ValueError("The pipeline strategy clips by the global norm only: set gradient_clip_algorithm='norm'.")
-        return PipelineRuntime(
-            stage.module, optimizer, self.schedule, self.n_microbatches,
-            split_batch=module.pipeline_split_batch, loss_fn=module.pipeline_loss, groups=groups,
-            gradient_clip_val=clip, correction=self.build_correction(), tied_parameters=stage.tied,
-            count_tied_in_norm=self.stage == 0, autocast=self.precision_plugin.forward_context, device=self.root_device,
-            context_fn=getattr(module, "pipeline_context", None), activation_checkpointing=self.activation_checkpointing,
+        return dict(
+            gradient_clip_val=clip, correction=self.build_correction(), autocast=self.precision_plugin.forward_context,
+            device=self.root_device, context_fn=getattr(module, "pipeline_context", None),
+            activation_checkpointing=self.activation_checkpointing,
         )
 
     def build_correction(self) -> Correction | None:
@@ -455,3 +472,6 @@ class AsyncPipelineStrategy(DDPStrategy):
         strategy_registry.register("async_pipe", cls, description="PipeDream-2BW pipeline (asynchronous)", schedule="2bw")
         strategy_registry.register("sync_pipe", cls, description="1F1B pipeline with a flush per step", schedule="1f1b")
         strategy_registry.register("gpipe_pipe", cls, description="GPipe pipeline with a flush per step", schedule="gpipe")
+        strategy_registry.register(
+            "zb_pipe", cls, description="ZB-V zero-bubble pipeline (the best synchronous baseline)", schedule=schedules.BEST_SYNC,
+        )
