@@ -96,9 +96,9 @@ def test_memory_report_counts_microbatches_in_flight():
     seen = []
     original = runtime._backward
 
-    def spy(mb, grad):
+    def spy(chunk, mb, grad, **kwargs):
         seen.append(runtime.memory_report()["in_flight_microbatches"])
-        return original(mb, grad)
+        return original(chunk, mb, grad, **kwargs)
 
     runtime._backward = spy
     for batch in batches:

@@ -280,8 +280,28 @@ def test_spawn_returns_every_stage_to_the_main_process(pipeline_fits):
 
 
 def test_unknown_schedule_names_the_choices():
-    with pytest.raises(ValueError, match=r"Unknown pipeline schedule '2bx'\. Choose one of: gpipe, 1f1b, 2bw \(or strategy='async_pipe'"):
+    with pytest.raises(ValueError, match=r"Unknown pipeline schedule '2bx'\. Choose one of: gpipe, 1f1b, zbh1, interleaved, zbv, 2bw \(or strategy='async_pipe'"):
         AsyncPipelineStrategy(schedule="2bx")
+
+
+def test_virtual_stages_apply_to_the_interleaved_schedule_only():
+    assert AsyncPipelineStrategy(schedule="interleaved", virtual_stages=3).schedule_spec.chunks == 3
+    with pytest.raises(ValueError, match="virtual_stages=3 applies to schedule 'interleaved' only"):
+        AsyncPipelineStrategy(schedule="zbv", virtual_stages=3)
+    with pytest.raises(ValueError, match="virtual_stages must be an integer >= 2"):
+        AsyncPipelineStrategy(schedule="interleaved", virtual_stages=1)
+
+
+def test_too_few_units_for_the_chunks_names_the_pieces():
+    strategy = _strategy(4, schedule="zbv")
+    strategy._lightning_module = CausalLM(vocab_size=257, model_overrides=SHAPE)  # 6 units, 8 pieces
+    with pytest.raises(ValueError, match="Cannot split 6 pipeline units into 8 pieces"):
+        strategy.validate_mesh()
+
+
+def test_out_of_order_schedules_are_refused_on_nccl():
+    with pytest.raises(ValueError, match="NCCL"):
+        _strategy(2, schedule="zbv", process_group_backend="nccl").validate_mesh()
 
 
 @pytest.mark.parametrize("timeout", [-5, 0, -0.5])

@@ -196,7 +196,15 @@ class AsyncPipelineStrategy(DDPStrategy):
         if module is not None:
             check_pipeline_contract(module)
             if self.partition != "time":  # 'time' measures the units on their device: checked in setup
-                partition_units(list(module.pipeline_units()), spec.virtual_stages(pp), self.partition)
+                units = list(module.pipeline_units())
+                pieces = spec.virtual_stages(pp)
+                if spec.chunks > 1 and len(units) < pieces:
+                    raise ValueError(
+                        f"Cannot split {len(units)} pipeline units into {pieces} pieces ({pp} stages x {spec.chunks} "
+                        f"chunks per stage for schedule {spec.name!r}): each piece needs a unit. Use fewer stages, a "
+                        "schedule with one chunk per stage ('zbh1', '1f1b'), or a model with more blocks."
+                    )
+                partition_units(units, pieces, self.partition)
 
     def validate_launch(self, trainer) -> None:
         """What the launching process checks before other ranks start: the mesh and the run's corrections."""

@@ -13,9 +13,17 @@ counted. With ``--tflops`` (and with no option at all: SmolLM2-135M, sequence 20
 stage costs are nominal instead: FLOP counts at that sustained rate, parameters counted exactly, activations
 estimated, nothing measured.
 
+With ``--compare`` it draws the map instead: for each ``p`` and ``m``, every synchronous schedule we run (1F1B,
+ZB-H1, interleaved 1F1B with two chunks per stage, ZB-V) and 2BW, their per-batch time and peak memory, the best
+synchronous schedule that fits ``--memory-gib`` (when memory costs are known), 2BW's throughput relative to it, and
+a one-line recommendation. ``--weight-fraction`` is the share of the backward that is the weight gradient (what a
+zero-bubble schedule can defer; 0.5 for a transformer's linear layers).
+
 ``lightning-async simulate`` is the old name: it says so on stderr and runs the same. Usage::
 
     lightning-async plan
+    lightning-async plan --compare --forward-ms 10 --backward-ms 20
+    lightning-async plan --compare --model smollm2-360m --tflops 300 --memory-gib 40
     lightning-async plan --forward-ms 10 --backward-ms 20
     lightning-async plan --model smollm2-360m --tflops 300 --seq-len 4096
     lightning-async plan --model smollm2-135m --seq-len 2048 --device cpu --json plans/plan.json
@@ -30,7 +38,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lightning_async.pipeline.measure import measure_model
-from lightning_async.pipeline.timing import memory_model, simulate
+from lightning_async.pipeline.schedules import spec
+from lightning_async.pipeline.timing import memory_model, schedule_memory, simulate
 from lightning_async.tools.stage_costs import (
     NOMINAL_DTYPE,
     NOMINAL_MODEL,
@@ -91,8 +100,89 @@ def build_parser() -> argparse.ArgumentParser:
         "--optimizer-states", type=float, default=2.0,
         help="fp32 optimizer-state tensors per parameter (AdamW: 2, Muon: 1)",
     )
+    cmp = ap.add_argument_group("the map (--compare): every schedule, 2BW against the best synchronous one")
+    cmp.add_argument("--compare", action="store_true", help="compare every schedule instead of 1F1B and 2BW")
+    cmp.add_argument("--weight-fraction", type=float, default=0.5,
+                     help="share of the backward that is the weight gradient (zero-bubble schedules defer it)")
+    cmp.add_argument("--memory-gib", type=float, help="memory per stage: schedules that need more are left out")
+    cmp.add_argument("--worth", type=float, default=1.05,
+                     help="2BW is recommended only when at least this many times faster than the best sync schedule")
     ap.add_argument("--json", dest="json_path", help="write the table and the inputs as JSON")
     return ap
+
+
+#: the schedules of the map: the synchronous ones we run, and 2BW
+COMPARED = ("1f1b", "zbh1", "interleaved", "zbv")
+ASYNC = "2bw"
+
+
+def compare_row(p: int, m: int, costs: dict, comm_s: float, update_s: float, num_batches: int,
+                weight_fraction: float, budget_bytes: float | None, worth: float) -> dict:
+    """One row of the map: each schedule's steady per-batch time and peak memory, the best synchronous schedule
+    (that fits ``budget_bytes``), 2BW's speed-up over it and a recommendation."""
+    weight = [b * weight_fraction for b in costs["backward_s"]]
+    row = {"p": p, "m": m, "schedules": {}}
+    for name in (*COMPARED, ASYNC):
+        s_ = spec(name)
+        try:
+            s_.validate(p, m)
+        except ValueError as err:
+            row["schedules"][name] = {"skipped": str(err)}
+            continue
+        r = simulate(s_, p, m, num_batches, costs["forward_s"], costs["backward_s"], comm_s, update_s, weight=weight)
+        entry = {"per_batch_s": r.per_batch_time, "bubble": r.bubble, "peak_inflight": max(r.peak_inflight)}
+        if costs.get("param_bytes") is not None:
+            mem = schedule_memory(s_, p, m, costs["param_bytes"], costs["optimizer_bytes"], costs["activation_bytes"])
+            entry["peak_bytes"] = max(x["total"] for x in mem)
+            entry["fits"] = budget_bytes is None or entry["peak_bytes"] <= budget_bytes
+        row["schedules"][name] = entry
+    timed = {n: e for n, e in row["schedules"].items() if "per_batch_s" in e}
+    sync = {n: e for n, e in timed.items() if n != ASYNC and e.get("fits", True)}
+    two = timed.get(ASYNC)
+    if not sync:
+        row["recommendation"] = "no synchronous schedule fits the memory budget" + (
+            "; 2BW fits" if two and two.get("fits", True) else "; nothing fits")
+        return row
+    best = min(sync, key=lambda n: sync[n]["per_batch_s"])
+    row["best_sync"] = best
+    if two is not None:
+        gain = sync[best]["per_batch_s"] / two["per_batch_s"]
+        row["2bw_over_best_sync"] = gain
+        extra = (f", +{_fmt_bytes(two['peak_bytes'] - sync[best]['peak_bytes'])} per stage"
+                 if "peak_bytes" in two and "peak_bytes" in sync[best] else "")
+        if not two.get("fits", True):
+            row["recommendation"] = f"{best}: 2BW needs more memory than the budget"
+        elif gain >= worth:
+            row["recommendation"] = f"2BW: {gain:.2f}x {best}{extra}; pair it with a delay-robust optimizer (Muon) or EF"
+        else:
+            row["recommendation"] = f"{best}: 2BW gains only {gain:.2f}x, not worth a stale gradient"
+    return row
+
+
+def format_compare_table(rows: list[dict]) -> str:
+    names = (*COMPARED, ASYNC)
+    has_mem = any("peak_bytes" in e for r in rows for e in r["schedules"].values())
+    head = ["p", "m", *(f"{n} batch" for n in names)]
+    if has_mem:
+        head += [f"{n} mem" for n in names]
+    head += ["best sync", "2BW x best", "recommendation"]
+    lines = []
+    for r in rows:
+        cells = [str(r["p"]), str(r["m"])]
+        cells += [_fmt_time(r["schedules"][n]["per_batch_s"]) if "per_batch_s" in r["schedules"][n] else "-" for n in names]
+        if has_mem:
+            cells += [(_fmt_bytes(r["schedules"][n]["peak_bytes"]) + ("" if r["schedules"][n].get("fits", True) else " (over)"))
+                      if "peak_bytes" in r["schedules"][n] else "-" for n in names]
+        cells += [r.get("best_sync", "-"), f"{r['2bw_over_best_sync']:.2f}x" if "2bw_over_best_sync" in r else "-",
+                  r["recommendation"]]
+        lines.append(cells)
+    widths = [max(len(h), *(len(c[i]) for c in lines)) if lines else len(h) for i, h in enumerate(head)]
+    out = ["| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |"]
+    out.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    last = len(head) - 1  # the recommendation reads left to right
+    out += ["| " + " | ".join(c.ljust(w) if i == last else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+            for cells in lines]
+    return "\n".join(out)
 
 
 # ------------------------------------------------------------------------------------------------------ table
@@ -154,6 +244,20 @@ def plan(
                     ],
                 }
             rows.append(row)
+    return rows, skipped
+
+
+def compare(stages, multipliers, costs_for_p, comm_s, update_s, num_batches, weight_fraction, memory_gib, worth):
+    """The map's rows (:func:`compare_row` for every ``p`` and ``m = k p``) and the stage counts skipped."""
+    rows, skipped = [], []
+    budget = None if memory_gib is None else memory_gib * 2**30
+    for p in stages:
+        try:
+            costs = costs_for_p(p)
+        except ValueError as err:
+            skipped.append({"p": p, "reason": str(err)})
+            continue
+        rows += [compare_row(p, k * p, costs, comm_s, update_s, num_batches, weight_fraction, budget, worth) for k in multipliers]
     return rows, skipped
 
 
@@ -219,13 +323,16 @@ def argument_error(args: argparse.Namespace) -> str | None:
     ] + [
         (name, value, ">= 0", value is None or value >= 0)
         for name, value in (("--backward-ms", args.backward_ms), ("--comm-ms", args.comm_ms),
-                            ("--update-ms", args.update_ms), ("--optimizer-states", args.optimizer_states))
+                            ("--update-ms", args.update_ms), ("--optimizer-states", args.optimizer_states),
+                            ("--memory-gib", args.memory_gib))
     ] + [
         (name, value, ">= 1", value is None or value >= 1)
         for name, value in (("--stages", min(args.stages)), ("--microbatches", min(args.microbatches)),
                             ("--batches", args.batches), ("--seq-len", args.seq_len),
                             ("--micro-batch-size", args.micro_batch_size), ("--head-tokens", args.head_tokens))
     ]
+    if not 0 <= args.weight_fraction < 1:
+        return f"--weight-fraction must be in [0, 1), got {args.weight_fraction:g}"
     for name, value, rule, ok in checks:
         if not ok:  # also catches nan
             return f"{name} must be {rule}, got {value:g}"
@@ -309,15 +416,27 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
             stage_costs[str(p)] = costs
             return costs
 
-    rows, skipped = plan(stages, args.microbatches, costs_for_p, comm_s, update_s, args.batches)
-    print(format_table(rows))
+    if args.compare:
+        rows, skipped = compare(stages, args.microbatches, costs_for_p, comm_s, update_s, args.batches,
+                                args.weight_fraction, args.memory_gib, args.worth)
+        print(format_compare_table(rows))
+    else:
+        rows, skipped = plan(stages, args.microbatches, costs_for_p, comm_s, update_s, args.batches)
+        print(format_table(rows))
     for s in skipped:
         print(f"skipped p={s['p']}: {s['reason']}")
-    print(
-        "batch = steady per-batch time; bubble = idle fraction of all stages in steady state; "
-        "2BW gain = 1F1B time / 2BW time; 2BW/limit = bubble-free limit (m x slowest stage) / 2BW time; memory = most loaded stage (weights, one gradient buffer, optimizer "
-        "state, peak in-flight activations)."
-    )
+    if args.compare:
+        print(
+            f"batch = steady per-batch time (weight gradient {args.weight_fraction:g} of the backward); mem = peak of the "
+            "most loaded stage (weight versions, a gradient buffer, optimizer state, peak in-flight activations); "
+            "best sync = fastest synchronous schedule that fits --memory-gib; 2BW x best = its time / 2BW's."
+        )
+    else:
+        print(
+            "batch = steady per-batch time; bubble = idle fraction of all stages in steady state; "
+            "2BW gain = 1F1B time / 2BW time; 2BW/limit = bubble-free limit (m x slowest stage) / 2BW time; memory = most loaded stage (weights, one gradient buffer, optimizer "
+            "state, peak in-flight activations)."
+        )
     if args.json_path:
         payload = {
             "argv": list(argv) if argv is not None else sys.argv[1:],
