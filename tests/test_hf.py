@@ -139,6 +139,21 @@ def test_model_without_plan_or_layout_says_how_to_provide_units():
         HFCausalLM(gpt2)
 
 
+@pytest.mark.parametrize("fields", [
+    dict(model_type="gpt_neox", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4),
+    dict(model_type="phi", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4),
+    dict(model_type="gptj", n_embd=64, n_layer=2, n_head=4, n_positions=64, rotary_dim=8, bos_token_id=0, eos_token_id=0),
+], ids=["gpt-neox", "phi", "gpt-j"])
+def test_families_with_a_pipeline_plan_derive_their_units(fields):
+    """The layout table of docs/models.md: these families' plans give units that reproduce their logits."""
+    module = make_hf(dict(fields, vocab_size=VOCAB, max_position_embeddings=64))
+    names = [n for n, _ in module.pipeline_units()]
+    assert sum(isinstance(u, DecoderLayerUnit) for _, u in module.pipeline_units()) == 2 and len(names) == 6
+    module.eval()
+    with torch.no_grad():
+        assert (module(ids()) - module.model(input_ids=ids()).logits).abs().max().item() <= 1e-6
+
+
 def test_units_that_miss_part_of_the_forward_are_refused():
     # Granite multiplies the embeddings inside the base model's forward: the derived units cannot know
     granite = dict(SHAPE, model_type="granite", embedding_multiplier=2.0)
@@ -157,12 +172,17 @@ def test_overridden_units_are_checked_against_the_forward_too():
 
 
 # ---- training on one device ----------------------------------------------------------------------
-def hf_reference(optimizer: str, delay: int, lam: float, config: dict) -> list[dict[str, torch.Tensor]]:
-    """x(0..STEPS) of the delayed rule from test_delay's independent loop, with the schedule Lightning runs."""
-    stepper = make_hf(config)
+def hf_reference_of(make, optimizer: str, delay: int, lam: float) -> list[dict[str, torch.Tensor]]:
+    """x(0..STEPS) of the delayed rule from test_delay's independent loop, with the schedule Lightning runs;
+    ``make()`` builds the module (the same initial weights every call)."""
+    stepper = make()
     opt = build_optimizer(optimizer, stepper.named_parameters(), lr=LRS[optimizer], weight_decay=WEIGHT_DECAY, **KWARGS.get(optimizer, {}))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: warmup_cosine(step, STEPS, 0.1, 0.1))
-    return reference_delayed(make_hf(config), stepper, opt, TRAIN, delay, lam, "2bw", sched, clip=CLIP)
+    return reference_delayed(make(), stepper, opt, TRAIN, delay, lam, "2bw", sched, clip=CLIP)
+
+
+def hf_reference(optimizer: str, delay: int, lam: float, config: dict) -> list[dict[str, torch.Tensor]]:
+    return hf_reference_of(lambda: make_hf(config), optimizer, delay, lam)
 
 
 @pytest.mark.parametrize(("optimizer", "lam", "config"), [("adamw", 1.0, LLAMA), ("muon", 0.0, QWEN2_TIED)], ids=["adamw-ef-llama", "muon-qwen2-tied"])
