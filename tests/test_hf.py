@@ -236,6 +236,49 @@ def test_export_of_a_causal_lm_checkpoint_as_llama(tied, tmp_path):
     assert (logits_of_directory(tmp_path / "hf", ids()) - expected).abs().max().item() <= 1e-6
 
 
+def save_checkpoint_with_data(module, data_hparams: dict, path) -> None:
+    """A Lightning-style checkpoint file of ``module`` as a run with a data module of ``data_hparams`` writes it."""
+    torch.save({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams),
+                "datamodule_hyper_parameters": data_hparams}, path)
+
+
+@pytest.mark.parametrize("kind", ["hf", "bpe"])
+def test_export_writes_the_runs_tokenizer(kind, tmp_path, capsys):
+    from transformers import AutoTokenizer
+
+    from lightning_async.data import TextDataModule
+    from lightning_async.data.tokenizer import train_bpe
+
+    text = "the quick brown fox jumps over the lazy dog. " * 200
+    if kind == "hf":
+        train_bpe([text], vocab_size=300).save(str(tmp_path / "tokenizer.json"))
+        data_hparams = {"tokenizer": "hf", "tokenizer_path": str(tmp_path / "tokenizer.json")}
+    else:
+        (tmp_path / "corpus.txt").write_text(text)
+        data_hparams = {"source": "text", "path": str(tmp_path / "corpus.txt"), "tokenizer": "bpe", "bpe_vocab_size": 300,
+                        "cache_dir": str(tmp_path / "cache"), "progress": False}
+    trained = TextDataModule(**data_hparams).tokenizer  # (the BPE trains here, as in the run, and is cached)
+    module = make_hf(LLAMA, vocab_size=trained.vocab_size)
+    save_checkpoint_with_data(module, data_hparams, tmp_path / "run.ckpt")
+    assert export_main([str(tmp_path / "run.ckpt"), str(tmp_path / "out")]) == 0
+    assert "AutoTokenizer.from_pretrained" in capsys.readouterr().out
+    exported = AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    sample = "the lazy fox jumps quickly"
+    assert exported.encode(sample, add_special_tokens=False) == trained.encode(sample).tolist()
+    assert exported.eos_token == trained.eod_token and exported.decode(trained.encode(sample)) == sample
+
+
+def test_export_with_the_byte_tokenizer_says_how_to_encode(tmp_path, capsys):
+    save_checkpoint_with_data(make_hf(LLAMA), {"tokenizer": "byte"}, tmp_path / "run.ckpt")
+    assert export_main([str(tmp_path / "run.ckpt"), str(tmp_path / "out")]) == 0
+    assert "byte-level, no files to write" in capsys.readouterr().out
+    assert not (tmp_path / "out" / "tokenizer.json").exists()
+    save_checkpoint_with_data(make_hf(LLAMA), {"tokenizer": "hf", "tokenizer_path": str(tmp_path / "gone.json")}, tmp_path / "bad.ckpt")
+    assert export_main([str(tmp_path / "bad.ckpt"), str(tmp_path / "out2")]) == 0  # the model is written; the note says why not the tokenizer
+    out = capsys.readouterr().out
+    assert "tokenizer: NOT written" in out and "gone.json" in out and (tmp_path / "out2" / "config.json").exists()
+
+
 def test_export_refuses_other_checkpoints_with_a_clear_message(tmp_path, capsys):
     torch.save({"state_dict": {"layer.weight": torch.zeros(2, 2)}, "hyper_parameters": {}}, tmp_path / "other.ckpt")
     assert export_main([str(tmp_path / "other.ckpt"), str(tmp_path / "out")]) == 2
@@ -320,12 +363,12 @@ def test_pipeline_follows_the_single_device_rule(oracle_results):
 
 
 # ---- the command line, checkpoints and export ----------------------------------------------------
-def fit_from_the_cli(tmp_path, *extra: str):
-    """``lightning-async fit`` with the quick start and the HF Llama recipe; returns the run directory."""
+def fit_from_the_cli(tmp_path, *extra: str, recipe: str = "hf-llama-tiny"):
+    """``lightning-async fit`` with the quick start and an HF model recipe; returns the run directory."""
     from test_cli import REPO, SMALL_DATA, run_cli
 
     proc = run_cli(
-        tmp_path, "fit", "--config", str(REPO / "recipes/quickstart.yaml"), "--config", str(REPO / "recipes/models/hf-llama-tiny.yaml"),
+        tmp_path, "fit", "--config", str(REPO / "recipes/quickstart.yaml"), "--config", str(REPO / f"recipes/models/{recipe}.yaml"),
         *extra, "--trainer.max_steps", "8", "--trainer.val_check_interval", "8", "--trainer.log_every_n_steps", "1",
         "--trainer.enable_progress_bar", "false", "--trainer.enable_checkpointing", "true",
         "--data.cache_dir", str(tmp_path / "cache"), *SMALL_DATA,
@@ -340,7 +383,7 @@ def check_export(checkpoint, state_dict: dict, hparams: dict, out_dir) -> None:
     from lightning_async.cli import main
 
     assert main(["export", str(checkpoint), str(out_dir)]) == 0
-    module = HFCausalLM(hparams["model"])
+    module = HFCausalLM(hparams["model"], aux_loss_microbatches=hparams.get("aux_loss_microbatches"))
     module.load_state_dict(state_dict)
     with torch.no_grad():
         expected = module(ids())

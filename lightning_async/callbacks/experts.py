@@ -42,6 +42,7 @@ class ExpertStatistics(Callback):
         self.stage = 0
         self._writer = None
         self._silent = False  # a data-parallel replica other than 0: reads (so sums do not grow) but does not log
+        self._step = 0
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         strategy = trainer.strategy
@@ -62,17 +63,20 @@ class ExpertStatistics(Callback):
 
         self._writer = SummaryWriter(log_dir, filename_suffix=f".stage{self.stage}")
 
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
+        self._step = trainer.global_step  # the step Lightning files this batch's metrics under
+
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
-        every = self.log_every_n_steps or trainer.log_every_n_steps
+        every = max(1, self.log_every_n_steps or trainer.log_every_n_steps)
         statistics = getattr(pl_module, "router_statistics", None)
-        if statistics is None or trainer.global_step % max(1, every):
+        if statistics is None or (self._step + 1) % every:  # the steps Lightning writes its loggers at
             return
         scalars = expert_scalars(statistics.read(), self.stage)
         if self._silent or not scalars:
             return
         if self._writer is not None:
             for tag, value in scalars.items():
-                self._writer.add_scalar(tag, value, trainer.global_step)
+                self._writer.add_scalar(tag, value, self._step)
         elif trainer.global_rank == 0:
             for tag, value in scalars.items():
                 pl_module.log(tag, value)
