@@ -20,7 +20,7 @@ from _hf_oracle import (  # noqa: E402
     reference, spawn_results,
 )
 from lightning_async.callbacks import DelaySimulation  # noqa: E402
-from lightning_async.callbacks.experts import ExpertStatistics, expert_scalars  # noqa: E402
+from lightning_async.models.moe_logging import expert_scalars  # noqa: E402
 from lightning_async.models.hf import HFCausalLM, MoEDecoderLayerUnit  # noqa: E402
 from lightning_async.models.moe import AttachLoss, balance_and_z_losses  # noqa: E402
 from lightning_async.pipeline.boundary import split_rows  # noqa: E402
@@ -216,7 +216,7 @@ def test_delay_simulation_trains_a_moe_by_the_delayed_rule():
 
     kwargs = dict(aux_loss_microbatches=2, lr=LRS["adamw"], weight_decay=WEIGHT_DECAY)
     module = make_moe(MIXTRAL, **kwargs)
-    make_trainer([DelaySimulation(1), ExpertStatistics()]).fit(module, train_loader())
+    make_trainer([DelaySimulation(1)]).fit(module, train_loader())  # (the module's hooks record expert statistics too)
     expected = hf_reference_of(lambda: make_moe(MIXTRAL, **kwargs), "adamw", 1, 0.0)
     assert weight_diff(weights(module), expected[-1]) <= TOL
     assert len(TRAIN) == STEPS
@@ -266,7 +266,7 @@ def test_async_pipe_fit_of_a_moe_equals_the_delay_simulation_and_logs_both_stage
 @pytest.mark.slow
 def test_the_moe_recipe_fits_a_pipeline_from_the_cli_logs_experts_and_exports(tmp_path, capsys):
     """``--config quickstart --config models/hf-moe-tiny --config pipeline/async``: the loss falls, both stages'
-    expert statistics reach TensorBoard (HFCausalLM adds ExpertStatistics by itself), the checkpoint exports."""
+    expert statistics reach TensorBoard (HFCausalLM's own hooks log them), the checkpoint exports."""
     from test_cli import REPO
     from test_hf import check_export, fit_from_the_cli
 

@@ -34,6 +34,7 @@ except ImportError as err:  # pragma: no cover - depends on the environment
     ) from err
 
 from lightning_async.models.moe import AttachLoss, RouterCapture, RouterLoss, RouterStatistics, balance_and_z_losses
+from lightning_async.models.moe_logging import ExpertStatisticsLogger
 from lightning_async.models.training import CausalLMTraining
 from lightning_async.pipeline.boundary import NO_CONTEXT, call_unit, takes_context
 
@@ -396,13 +397,24 @@ class HFCausalLM(CausalLMTraining):
         self._aux_loss_microbatches(m * replicas)
         self.moe.loss.one_forward_per_microbatch(m * replicas)
 
-    def configure_callbacks(self):
-        """An MoE logs its expert statistics (:class:`~lightning_async.callbacks.experts.ExpertStatistics`)."""
-        if self.moe is None:
-            return []
-        from lightning_async.callbacks.experts import ExpertStatistics
+    # an MoE logs its expert statistics from these hooks (ExpertStatisticsLogger: per layer, per pipeline stage)
+    def on_train_start(self) -> None:
+        if self.moe is not None:
+            self._expert_logger = ExpertStatisticsLogger()
+            self._expert_logger.start(self.trainer, self)
 
-        return [ExpertStatistics()]
+    def on_train_batch_start(self, batch: torch.Tensor, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self.moe is not None:
+            self._expert_logger.batch_start(self.trainer)
+
+    def on_train_batch_end(self, outputs, batch: torch.Tensor, batch_idx: int) -> None:
+        if self.moe is not None:
+            self._expert_logger.batch_end(self.trainer, self)
+
+    def on_train_end(self) -> None:
+        if self.moe is not None:
+            self._expert_logger.end()
 
     @property
     def router_statistics(self) -> RouterStatistics | None:
