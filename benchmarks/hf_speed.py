@@ -17,8 +17,10 @@ robust to load that drifts during the run):
   router load balancing on), and the dense HF Llama for comparison, on one device against a 2-stage 2BW pipeline
   (split before the third layer), in the same two processes, round by round: process 0 trains alone while
   process 1 waits, then both run the pipeline. The MoE trains the same objective both ways (the router losses
-  per micro-batch). Reported: tokens/s of each and the ratio pipeline / one device (median of adjacent rounds;
-  2.0 would be two cores used perfectly). ``--only-moe`` runs just these rows.
+  per micro-batch). A third setting, one device running each batch as the pipeline's micro-batches (accumulated),
+  separates the cost of smaller micro-batches (an MoE's experts see fewer tokens per call) from the pipeline's
+  parallelism. Reported: tokens/s of each and the ratios pipeline / one device (median of adjacent rounds; 2.0
+  would be two cores used perfectly). ``--only-moe`` runs just these rows.
 
     python benchmarks/hf_speed.py --json runs/hf_speed.json
 """
@@ -84,12 +86,13 @@ def speeds(seconds: dict[str, list[float]], tokens: int, base: str = "ours", oth
 
 
 # ---- one device ----------------------------------------------------------------------------------
-def single_round(module, opt, data: list[torch.Tensor]) -> float:
-    """Seconds for the training steps on ``data``."""
+def single_round(module, opt, data: list[torch.Tensor], microbatches: int = 1) -> float:
+    """Seconds for the training steps on ``data`` (each batch as ``microbatches`` accumulated forward+backwards)."""
     start = time.perf_counter()
     for batch in data:
-        inputs, targets = split_next_token(batch)
-        next_token_loss(module(inputs), targets).backward()
+        for chunk in batch.chunk(microbatches):
+            inputs, targets = split_next_token(chunk)
+            (next_token_loss(module(inputs), targets) / microbatches).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     return time.perf_counter() - start
@@ -202,24 +205,29 @@ def one_vs_pipeline_worker(args_dict: dict) -> dict:
     first = dist.get_rank() == 0
     runtimes = {k: stage_runtime(k, 2, args.microbatches) for k in ONE_VS_PIPELINE}
     singles = {k: build(k) for k in ONE_VS_PIPELINE} if first else {}
-    if first:
-        singles["moe"].moe.loss.whole_batch_per_forward(args.microbatches)  # the pipeline's objective, on one device
+    router_loss = singles["moe"].moe.loss if first else None  # set per setting so each trains the pipeline's objective
     opts = {k: optimizer(m.named_parameters()) for k, m in singles.items()}
-    seconds = {k: {"single": [], "pipeline": []} for k in ONE_VS_PIPELINE}
+    seconds = {k: {"single": [], "microbatched": [], "pipeline": []} for k in ONE_VS_PIPELINE}
     for r in range(args.rounds + 1):
         for k in ONE_VS_PIPELINE:
             dist.barrier()
-            alone = single_round(singles[k], opts[k], data) if first else 0.0
+            alone = chunked = 0.0
+            if first:
+                router_loss.whole_batch_per_forward(args.microbatches)
+                alone = single_round(singles[k], opts[k], data)
+                router_loss.one_forward_per_microbatch(args.microbatches)
+                chunked = single_round(singles[k], opts[k], data, args.microbatches)
             dist.barrier()
             both = timed_pipeline_round(runtimes[k], data)
             if r:  # round 0 warms up
-                seconds[k]["single"].append(alone)
-                seconds[k]["pipeline"].append(both)
+                for setting, elapsed in (("single", alone), ("microbatched", chunked), ("pipeline", both)):
+                    seconds[k][setting].append(elapsed)
     if not first:
         return {}  # process 1 timed nothing alone; process 0 reports
     tokens = args.steps * args.batch_size * args.seq_len
     out = {k: speeds(seconds[k], tokens, base="single", other="pipeline") for k in ONE_VS_PIPELINE}
     for k in ONE_VS_PIPELINE:
+        out[k]["ratio_microbatched"] = speeds(seconds[k], tokens, base="microbatched", other="pipeline")["ratio"]
         out[k]["parameters"] = singles[k].num_parameters()
     return out
 
@@ -244,11 +252,13 @@ def main(argv: list[str] | None = None) -> dict:
         print_ours_vs_hf(results)
     if not args.skip_moe:
         results["one_vs_pipeline"] = rows = run_local(2, one_vs_pipeline_worker, vars(args), timeout=3600)[0]
-        print(f"\n{'model':34s} {'one device tok/s':>17s} {'2-stage 2BW tok/s':>18s} {'pipeline / one':>15s}")
+        print(f"\n{'model':38s} {'one device':>10s} {'one, m µb':>10s} {'2-stage 2BW':>12s} {'pipeline / one':>15s} "
+              f"{'pipeline / one, m µb':>21s}   (tokens/s)")
         for k, label in (("moe", "MoE (hf-moe-tiny)"), ("hf", "dense (hf-llama-tiny)")):
             r = rows[k]
             name = f"{label}, {r['parameters']:,} params"
-            print(f"{name:34s} {r['single']:17.0f} {r['pipeline']:18.0f} {r['ratio']:15.3f}")
+            print(f"{name:38s} {r['single']:10.0f} {r['microbatched']:10.0f} {r['pipeline']:12.0f} {r['ratio']:15.3f} "
+                  f"{r['ratio_microbatched']:21.3f}")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
