@@ -341,6 +341,7 @@ def oracle_results(request):
     return stages, spawn(stages, _oracle_scenarios, stages, timeout=600)
 
 
+@pytest.mark.slow
 def test_pipeline_follows_the_single_device_rule(oracle_results):
     from _pipeline_harness import reference_run
     from test_pipeline_oracle import _merge
@@ -390,6 +391,7 @@ def check_export(checkpoint, state_dict: dict, hparams: dict, out_dir) -> None:
     assert (logits_of_directory(out_dir, ids()) - expected).abs().max().item() <= 1e-6
 
 
+@pytest.mark.slow
 def test_cli_fit_checkpoint_and_export(tmp_path):
     from test_cli import read_scalars
 
@@ -401,6 +403,7 @@ def test_cli_fit_checkpoint_and_export(tmp_path):
     check_export(checkpoint, saved["state_dict"], saved["hyper_parameters"], tmp_path / "hf")
 
 
+@pytest.mark.slow
 def test_cli_pipeline_fit_checkpoint_and_export(tmp_path):
     """2 stages under async_pipe (gloo): the stage files' hyperparameters rebuild the config for export."""
     from test_cli import REPO, read_scalars
