@@ -303,7 +303,7 @@ class HFCausalLM(CausalLMTraining):
         aux_loss_microbatches: mixture of experts: the router losses are computed per micro-batch and averaged.
             Under a pipeline strategy that is its ``n_microbatches`` x ``data_parallel_size`` (leave ``None``, or
             give that number); on one device, give the number of the pipeline you compare with (``None``: 1, the
-            whole batch). See docs/models.md, "Mixture of experts".
+            whole batch). See docs/models.md, "Example 4: a mixture of experts".
         training: ``optimizer``, ``lr``, ``weight_decay``, ``optimizer_kwargs``, ``warmup_fraction``,
             ``min_lr_fraction`` (:class:`~lightning_async.models.training.CausalLMTraining`).
 

@@ -6,7 +6,7 @@ layer computes its own loss from its router's logits and attaches it to its outp
 an autograd function that passes the output through unchanged and, in the backward, adds the loss's gradient
 (Megatron-LM's ``MoEAuxLossAutoScaler``). Nothing extra crosses a stage boundary.
 
-The objective (``docs/models.md``, "Mixture of experts"), for ``L`` MoE layers and ``m`` micro-batches::
+The objective (``docs/models.md``, "Example 4: a mixture of experts"), for ``L`` MoE layers and ``m`` micro-batches::
 
     loss = CE + (1 / L) * sum_l  mean_over_microbatches( aux_coef * balance_l + z_coef * z_l )
 
