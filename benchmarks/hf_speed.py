@@ -12,7 +12,15 @@ robust to load that drifts during the run):
   ``partition="uniform"`` would not give that, since the HF model's final norm is a unit of its own), the HF
   model with its ``pipeline_context``;
 * ``units``: forward + backward time of one decoder layer/block and of the head, per micro-batch, to show
-  where a gap comes from.
+  where a gap comes from;
+* ``one_vs_pipeline``: the mixture of experts of ``recipes/models/hf-moe-tiny.yaml`` (Mixtral, 8 experts, top-2,
+  router load balancing on), and the dense HF Llama for comparison, on one device against a 2-stage 2BW pipeline
+  (split before the third layer), in the same two processes, round by round: process 0 trains alone while
+  process 1 waits, then both run the pipeline. The MoE trains the same objective both ways (the router losses
+  per micro-batch). A third setting, one device running each batch as the pipeline's micro-batches (accumulated),
+  separates the cost of smaller micro-batches (an MoE's experts see fewer tokens per call) from the pipeline's
+  parallelism. Reported: tokens/s of each and the ratios pipeline / one device (median of adjacent rounds; 2.0
+  would be two cores used perfectly). ``--only-moe`` runs just these rows.
 
     python benchmarks/hf_speed.py --json runs/hf_speed.json
 """
@@ -41,19 +49,21 @@ from lightning_async.pipeline.partition import partition_units  # noqa: E402
 from lightning_async.pipeline.runtime import PipelineRuntime  # noqa: E402
 from lightning_async.pipeline.stage import build_rank_stage  # noqa: E402
 
-RECIPE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "recipes", "models", "hf-llama-tiny.yaml")
+RECIPES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "recipes", "models")
+RECIPE = {"hf": os.path.join(RECIPES, "hf-llama-tiny.yaml"), "moe": os.path.join(RECIPES, "hf-moe-tiny.yaml")}
 VOCAB = 257
 MODELS = ("ours", "hf")
-SECOND_STAGE_STARTS = {"ours": ["model.blocks.2"], "hf": ["model.model.layers.2"]}
+SECOND_STAGE_STARTS = {"ours": ["model.blocks.2"], "hf": ["model.model.layers.2"], "moe": ["model.model.layers.2"]}
 
 
 def build(kind: str):
+    """``ours`` (CausalLM tiny), ``hf`` (the HF Llama recipe) or ``moe`` (the HF Mixtral recipe)."""
     torch.manual_seed(0)
     if kind == "ours":
         return CausalLM(model="tiny", vocab_size=VOCAB)
     from lightning_async.models.hf import HFCausalLM
 
-    with open(RECIPE) as f:
+    with open(RECIPE[kind]) as f:
         config = yaml.safe_load(f)["model"]["init_args"]["model"]
     return HFCausalLM(config, vocab_size=VOCAB)
 
@@ -67,21 +77,22 @@ def optimizer(named):
     return build_optimizer("adamw", named, lr=1e-4, weight_decay=0.1)
 
 
-def speeds(seconds: dict[str, list[float]], tokens: int) -> dict:
-    """Tokens/s of each model's fastest round and the median ratio HF / ours of adjacent rounds."""
+def speeds(seconds: dict[str, list[float]], tokens: int, base: str = "ours", other: str = "hf") -> dict:
+    """Tokens/s of each setting's fastest round and the median speed ratio ``other / base`` of adjacent rounds."""
     out = {k: tokens / min(v) for k, v in seconds.items()}
-    out["ratio"] = statistics.median(ours / hf for ours, hf in zip(seconds["ours"], seconds["hf"]))
+    out["ratio"] = statistics.median(b / o for b, o in zip(seconds[base], seconds[other]))
     out["rounds"] = seconds
     return out
 
 
 # ---- one device ----------------------------------------------------------------------------------
-def single_round(module, opt, data: list[torch.Tensor]) -> float:
-    """Seconds for the training steps on ``data``."""
+def single_round(module, opt, data: list[torch.Tensor], microbatches: int = 1) -> float:
+    """Seconds for the training steps on ``data`` (each batch as ``microbatches`` accumulated forward+backwards)."""
     start = time.perf_counter()
     for batch in data:
-        inputs, targets = split_next_token(batch)
-        next_token_loss(module(inputs), targets).backward()
+        for chunk in batch.chunk(microbatches):
+            inputs, targets = split_next_token(chunk)
+            (next_token_loss(module(inputs), targets) / microbatches).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     return time.perf_counter() - start
@@ -134,9 +145,22 @@ def run_single(args) -> dict:
 
 
 # ---- 2-stage 2BW pipeline ------------------------------------------------------------------------
+def print_ours_vs_hf(results: dict) -> None:
+    rows = [("single device", results["single"])] + ([("2-stage 2BW pipeline", results["pipeline"])] if "pipeline" in results else [])
+    print(f"{'setting':24s} {'ours tok/s':>12s} {'HF tok/s':>12s} {'HF / ours':>10s}")
+    for label, r in rows:
+        print(f"{label:24s} {r['ours']:12.0f} {r['hf']:12.0f} {r['ratio']:10.3f}")
+    units = results["single"]["units"]
+    print("\nper micro-batch forward+backward, ms (one thread):")
+    for part in ("layer", "head", "context"):
+        print(f"  {part:8s} ours {units['ours'][part] * 1e3:8.2f}   HF {units['hf'][part] * 1e3:8.2f}")
+
+
 def stage_runtime(kind: str, stages: int, m: int) -> PipelineRuntime:
     rank = dist.get_rank()
     module = build(kind)
+    if kind == "moe":
+        module.moe.loss.one_forward_per_microbatch(m)  # as AsyncPipelineStrategy sets it up
     units = module.pipeline_units()
     stage = build_rank_stage(units, rank, partition_units(units, stages, SECOND_STAGE_STARTS[kind]))
     return PipelineRuntime(
@@ -153,16 +177,59 @@ def pipeline_worker(args_dict: dict) -> dict:
     seconds = {k: [] for k in MODELS}
     for r in range(args.rounds + 1):
         for k in MODELS:
-            rt = runtimes[k]
-            dist.barrier()
-            start = time.perf_counter()
-            for batch in data:
-                rt.train_batch(batch)
-            rt.drain()
-            dist.barrier()
+            elapsed = timed_pipeline_round(runtimes[k], data)
             if r:  # round 0 warms up
-                seconds[k].append(time.perf_counter() - start)
+                seconds[k].append(elapsed)
     return speeds(seconds, args.steps * args.batch_size * args.seq_len)
+
+
+# ---- mixture of experts: one device vs a 2-stage pipeline -----------------------------------------
+def timed_pipeline_round(runtime: PipelineRuntime, data: list[torch.Tensor]) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    for batch in data:
+        runtime.train_batch(batch)
+    runtime.drain()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+ONE_VS_PIPELINE = ("moe", "hf")  # the MoE, and the dense HF Llama of the same shape for comparison
+
+
+def one_vs_pipeline_worker(args_dict: dict) -> dict:
+    """Per model, rounds of (process 0 alone on the whole model, the other waiting) then (both as a 2-stage 2BW
+    pipeline); the models take turns round by round."""
+    args = argparse.Namespace(**args_dict)
+    data = batches(args.steps, args.batch_size, args.seq_len)
+    first = dist.get_rank() == 0
+    runtimes = {k: stage_runtime(k, 2, args.microbatches) for k in ONE_VS_PIPELINE}
+    singles = {k: build(k) for k in ONE_VS_PIPELINE} if first else {}
+    router_loss = singles["moe"].moe.loss if first else None  # set per setting so each trains the pipeline's objective
+    opts = {k: optimizer(m.named_parameters()) for k, m in singles.items()}
+    seconds = {k: {"single": [], "microbatched": [], "pipeline": []} for k in ONE_VS_PIPELINE}
+    for r in range(args.rounds + 1):
+        for k in ONE_VS_PIPELINE:
+            dist.barrier()
+            alone = chunked = 0.0
+            if first:
+                router_loss.whole_batch_per_forward(args.microbatches)
+                alone = single_round(singles[k], opts[k], data)
+                router_loss.one_forward_per_microbatch(args.microbatches)
+                chunked = single_round(singles[k], opts[k], data, args.microbatches)
+            dist.barrier()
+            both = timed_pipeline_round(runtimes[k], data)
+            if r:  # round 0 warms up
+                for setting, elapsed in (("single", alone), ("microbatched", chunked), ("pipeline", both)):
+                    seconds[k][setting].append(elapsed)
+    if not first:
+        return {}  # process 1 timed nothing alone; process 0 reports
+    tokens = args.steps * args.batch_size * args.seq_len
+    out = {k: speeds(seconds[k], tokens, base="single", other="pipeline") for k in ONE_VS_PIPELINE}
+    for k in ONE_VS_PIPELINE:
+        out[k]["ratio_microbatched"] = speeds(seconds[k], tokens, base="microbatched", other="pipeline")["ratio"]
+        out[k]["parameters"] = singles[k].num_parameters()
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -173,19 +240,25 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--skip-pipeline", action="store_true")
+    parser.add_argument("--skip-moe", action="store_true", help="leave out the MoE rows")
+    parser.add_argument("--only-moe", action="store_true", help="only the MoE rows")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
-    results = {"args": vars(args), "single": run_single(args)}
-    if not args.skip_pipeline:
-        results["pipeline"] = run_local(2, pipeline_worker, vars(args), timeout=1800)[0]
-    rows = [("single device", results["single"])] + ([("2-stage 2BW pipeline", results["pipeline"])] if "pipeline" in results else [])
-    print(f"{'setting':24s} {'ours tok/s':>12s} {'HF tok/s':>12s} {'HF / ours':>10s}")
-    for label, r in rows:
-        print(f"{label:24s} {r['ours']:12.0f} {r['hf']:12.0f} {r['ratio']:10.3f}")
-    units = results["single"]["units"]
-    print("\nper micro-batch forward+backward, ms (one thread):")
-    for part in ("layer", "head", "context"):
-        print(f"  {part:8s} ours {units['ours'][part] * 1e3:8.2f}   HF {units['hf'][part] * 1e3:8.2f}")
+    results: dict = {"args": vars(args)}
+    if not args.only_moe:
+        results["single"] = run_single(args)
+        if not args.skip_pipeline:
+            results["pipeline"] = run_local(2, pipeline_worker, vars(args), timeout=1800)[0]
+        print_ours_vs_hf(results)
+    if not args.skip_moe:
+        results["one_vs_pipeline"] = rows = run_local(2, one_vs_pipeline_worker, vars(args), timeout=3600)[0]
+        print(f"\n{'model':38s} {'one device':>10s} {'one, m µb':>10s} {'2-stage 2BW':>12s} {'pipeline / one':>15s} "
+              f"{'pipeline / one, m µb':>21s}   (tokens/s)")
+        for k, label in (("moe", "MoE (hf-moe-tiny)"), ("hf", "dense (hf-llama-tiny)")):
+            r = rows[k]
+            name = f"{label}, {r['parameters']:,} params"
+            print(f"{name:38s} {r['single']:10.0f} {r['microbatched']:10.0f} {r['pipeline']:12.0f} {r['ratio']:15.3f} "
+                  f"{r['ratio_microbatched']:21.3f}")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

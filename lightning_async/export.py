@@ -5,7 +5,12 @@
 :class:`~lightning_async.models.hf.HFCausalLM`. The config is rebuilt from the checkpoint's hyperparameters
 (``model`` holds the full config), the weights from its state dict; ``save_pretrained`` writes
 ``config.json`` and ``model.safetensors`` (tied weights once), which
-``AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads. Copy the tokenizer files next to them yourself.
+``AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads.
+
+The tokenizer the run trained with (the data module's, recorded in the checkpoint) is written next to them when it
+is a Hugging Face one (``tokenizer: hf``, or the ``bpe`` trained on the corpus), so
+``AutoTokenizer.from_pretrained(OUT_DIR)`` works too; the byte tokenizer has no files (ids 0-255 are UTF-8 bytes,
+256 ends a document), which the output says.
 
 Checkpoints of our own :class:`~lightning_async.lm.CausalLM` (the SmolLM2-style decoder) are written as a
 ``LlamaForCausalLM``: the architecture is Llama's (RMSNorm, RoPE in the half-split layout, grouped-query
@@ -37,16 +42,20 @@ SMOLLM2_TO_LLAMA = [
 ]
 
 
-def read_checkpoint(path: str) -> tuple[dict[str, torch.Tensor], dict]:
-    """``(state_dict, hyper_parameters)`` of a pipeline checkpoint directory or a Lightning ``.ckpt`` file."""
+DATA_HPARAMS = "datamodule_hyper_parameters"  # where Lightning keeps the data module's arguments in a checkpoint
+
+
+def read_checkpoint(path: str) -> tuple[dict[str, torch.Tensor], dict, dict]:
+    """``(state_dict, hyper_parameters, datamodule_hyper_parameters)`` of a pipeline checkpoint directory or a
+    Lightning ``.ckpt`` file (the last one empty when the run had no data module with hyperparameters)."""
     if os.path.isdir(path):
         files = stage_files(path)
         first = torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)
-        return consolidate(path), dict(first.get("hyper_parameters") or {})
+        return consolidate(path), dict(first.get("hyper_parameters") or {}), dict(first.get(DATA_HPARAMS) or {})
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} does not exist: give a pipeline checkpoint directory or a Lightning .ckpt file.")
     checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-    return checkpoint["state_dict"], dict(checkpoint.get("hyper_parameters") or {})
+    return checkpoint["state_dict"], dict(checkpoint.get("hyper_parameters") or {}), dict(checkpoint.get(DATA_HPARAMS) or {})
 
 
 def smollm2_as_llama(hparams: dict, weights: dict[str, torch.Tensor]):
@@ -73,13 +82,13 @@ def smollm2_as_llama(hparams: dict, weights: dict[str, torch.Tensor]):
     return config, renamed
 
 
-def hf_model_from_checkpoint(path: str):
-    """The Hugging Face ``*ForCausalLM`` holding the checkpoint's (newest) weights."""
+def hf_model_from_checkpoint(path: str, state: dict[str, torch.Tensor], hparams: dict):
+    """The Hugging Face ``*ForCausalLM`` holding the checkpoint's (newest) weights (``state``, ``hparams``: what
+    :func:`read_checkpoint` read from ``path``)."""
     from transformers import AutoModelForCausalLM
 
     from lightning_async.models.hf import config_from_dict
 
-    state, hparams = read_checkpoint(path)
     weights = {k[len(PREFIX):]: v for k, v in state.items() if k.startswith(PREFIX)}
     fields = hparams.get("model")
     if isinstance(fields, dict) and "model_type" in fields:  # HFCausalLM: the whole config
@@ -102,29 +111,61 @@ def hf_model_from_checkpoint(path: str):
     return model
 
 
-def export(path: str, out_dir: str, dtype: str = "float32") -> str:
-    """Write the checkpoint at ``path`` as a Hugging Face model directory ``out_dir``; return ``out_dir``."""
-    model = hf_model_from_checkpoint(path).to(DTYPES[dtype])
+def export_tokenizer(data_hparams: dict, out_dir: str) -> str:
+    """Write the run's tokenizer into ``out_dir`` as Hugging Face tokenizer files; return a line saying what was
+    written (or why nothing was)."""
+    name = data_hparams.get("tokenizer")
+    if name is None:
+        return "tokenizer: not recorded in the checkpoint (no data module); copy the tokenizer files into the directory yourself."
+    if name == "byte":
+        return ("tokenizer: byte-level, no files to write: ids 0-255 are the UTF-8 bytes of the text and 256 ends a "
+                "document (encode with list(text.encode('utf-8'))).")
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from lightning_async.data import TextDataModule
+
+    directory = data_hparams.get("tokenizer_path")
+    if name == "hf" and directory and os.path.isfile(os.path.join(directory, "tokenizer_config.json")):
+        AutoTokenizer.from_pretrained(directory, local_files_only=True).save_pretrained(out_dir)  # its whole configuration
+        return f"tokenizer: {directory} (AutoTokenizer.from_pretrained({out_dir!r}) loads it)"
+    tokenizer = TextDataModule(**data_hparams).tokenizer  # hf: the tokenizer.json; bpe: the trained one, from the cache
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer.tokenizer, eos_token=tokenizer.eod_token)
+    wrapped.save_pretrained(out_dir)
+    status = f", {tokenizer.status}" if getattr(tokenizer, "status", None) else ""
+    return f"tokenizer: {name} ({tokenizer.source}{status}; AutoTokenizer.from_pretrained({out_dir!r}) loads it)"
+
+
+def export(path: str, out_dir: str, dtype: str = "float32", tokenizer: bool = True) -> str:
+    """Write the checkpoint at ``path`` as a Hugging Face model directory ``out_dir`` (with the run's tokenizer unless
+    ``tokenizer`` is false); return the line about the tokenizer."""
+    state, hparams, data_hparams = read_checkpoint(path)
+    model = hf_model_from_checkpoint(path, state, hparams).to(DTYPES[dtype])
     model.save_pretrained(out_dir)
-    return out_dir
+    if not tokenizer:
+        return "tokenizer: not written (--no-tokenizer)"
+    try:
+        return export_tokenizer(data_hparams, out_dir)
+    except (OSError, ValueError) as err:  # the data module's errors are ValueError / FileNotFoundError
+        return f"tokenizer: NOT written ({err}); the model is. Copy the tokenizer files into {out_dir} yourself."
 
 
 def export_main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="lightning-async export",
         description="Write a training checkpoint of an HFCausalLM (or a CausalLM, as a Llama) as a Hugging Face model directory "
-        "(AutoModelForCausalLM.from_pretrained(OUT_DIR) loads it).",
+        "(AutoModelForCausalLM.from_pretrained(OUT_DIR) loads it), with the run's tokenizer (AutoTokenizer.from_pretrained(OUT_DIR)).",
     )
     parser.add_argument("checkpoint", help="pipeline checkpoint directory (meta.json + stage-NN.ckpt) or a Lightning .ckpt file")
     parser.add_argument("out_dir", help="output directory (config.json, model.safetensors)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weight dtype to save (default float32)")
+    parser.add_argument("--no-tokenizer", action="store_true", help="write the model only, not the run's tokenizer")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        export(args.checkpoint, args.out_dir, args.dtype)
+        note = export(args.checkpoint, args.out_dir, args.dtype, tokenizer=not args.no_tokenizer)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"wrote {args.out_dir}")
+    print(f"wrote {args.out_dir}\n{note}")
     return 0
 
 

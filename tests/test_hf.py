@@ -139,6 +139,21 @@ def test_model_without_plan_or_layout_says_how_to_provide_units():
         HFCausalLM(gpt2)
 
 
+@pytest.mark.parametrize("fields", [
+    dict(model_type="gpt_neox", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4),
+    dict(model_type="phi", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4),
+    dict(model_type="gptj", n_embd=64, n_layer=2, n_head=4, n_positions=64, rotary_dim=8, bos_token_id=0, eos_token_id=0),
+], ids=["gpt-neox", "phi", "gpt-j"])
+def test_families_with_a_pipeline_plan_derive_their_units(fields):
+    """The layout table of docs/models.md: these families' plans give units that reproduce their logits."""
+    module = make_hf(dict(fields, vocab_size=VOCAB, max_position_embeddings=64))
+    names = [n for n, _ in module.pipeline_units()]
+    assert sum(isinstance(u, DecoderLayerUnit) for _, u in module.pipeline_units()) == 2 and len(names) == 6
+    module.eval()
+    with torch.no_grad():
+        assert (module(ids()) - module.model(input_ids=ids()).logits).abs().max().item() <= 1e-6
+
+
 def test_units_that_miss_part_of_the_forward_are_refused():
     # Granite multiplies the embeddings inside the base model's forward: the derived units cannot know
     granite = dict(SHAPE, model_type="granite", embedding_multiplier=2.0)
@@ -157,12 +172,17 @@ def test_overridden_units_are_checked_against_the_forward_too():
 
 
 # ---- training on one device ----------------------------------------------------------------------
-def hf_reference(optimizer: str, delay: int, lam: float, config: dict) -> list[dict[str, torch.Tensor]]:
-    """x(0..STEPS) of the delayed rule from test_delay's independent loop, with the schedule Lightning runs."""
-    stepper = make_hf(config)
+def hf_reference_of(make, optimizer: str, delay: int, lam: float) -> list[dict[str, torch.Tensor]]:
+    """x(0..STEPS) of the delayed rule from test_delay's independent loop, with the schedule Lightning runs;
+    ``make()`` builds the module (the same initial weights every call)."""
+    stepper = make()
     opt = build_optimizer(optimizer, stepper.named_parameters(), lr=LRS[optimizer], weight_decay=WEIGHT_DECAY, **KWARGS.get(optimizer, {}))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: warmup_cosine(step, STEPS, 0.1, 0.1))
-    return reference_delayed(make_hf(config), stepper, opt, TRAIN, delay, lam, "2bw", sched, clip=CLIP)
+    return reference_delayed(make(), stepper, opt, TRAIN, delay, lam, "2bw", sched, clip=CLIP)
+
+
+def hf_reference(optimizer: str, delay: int, lam: float, config: dict) -> list[dict[str, torch.Tensor]]:
+    return hf_reference_of(lambda: make_hf(config), optimizer, delay, lam)
 
 
 @pytest.mark.parametrize(("optimizer", "lam", "config"), [("adamw", 1.0, LLAMA), ("muon", 0.0, QWEN2_TIED)], ids=["adamw-ef-llama", "muon-qwen2-tied"])
@@ -214,6 +234,49 @@ def test_export_of_a_causal_lm_checkpoint_as_llama(tied, tmp_path):
     with torch.no_grad():
         expected = module(ids())
     assert (logits_of_directory(tmp_path / "hf", ids()) - expected).abs().max().item() <= 1e-6
+
+
+def save_checkpoint_with_data(module, data_hparams: dict, path) -> None:
+    """A Lightning-style checkpoint file of ``module`` as a run with a data module of ``data_hparams`` writes it."""
+    torch.save({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams),
+                "datamodule_hyper_parameters": data_hparams}, path)
+
+
+@pytest.mark.parametrize("kind", ["hf", "bpe"])
+def test_export_writes_the_runs_tokenizer(kind, tmp_path, capsys):
+    from transformers import AutoTokenizer
+
+    from lightning_async.data import TextDataModule
+    from lightning_async.data.tokenizer import train_bpe
+
+    text = "the quick brown fox jumps over the lazy dog. " * 200
+    if kind == "hf":
+        train_bpe([text], vocab_size=300).save(str(tmp_path / "tokenizer.json"))
+        data_hparams = {"tokenizer": "hf", "tokenizer_path": str(tmp_path / "tokenizer.json")}
+    else:
+        (tmp_path / "corpus.txt").write_text(text)
+        data_hparams = {"source": "text", "path": str(tmp_path / "corpus.txt"), "tokenizer": "bpe", "bpe_vocab_size": 300,
+                        "cache_dir": str(tmp_path / "cache"), "progress": False}
+    trained = TextDataModule(**data_hparams).tokenizer  # (the BPE trains here, as in the run, and is cached)
+    module = make_hf(LLAMA, vocab_size=trained.vocab_size)
+    save_checkpoint_with_data(module, data_hparams, tmp_path / "run.ckpt")
+    assert export_main([str(tmp_path / "run.ckpt"), str(tmp_path / "out")]) == 0
+    assert "AutoTokenizer.from_pretrained" in capsys.readouterr().out
+    exported = AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    sample = "the lazy fox jumps quickly"
+    assert exported.encode(sample, add_special_tokens=False) == trained.encode(sample).tolist()
+    assert exported.eos_token == trained.eod_token and exported.decode(trained.encode(sample)) == sample
+
+
+def test_export_with_the_byte_tokenizer_says_how_to_encode(tmp_path, capsys):
+    save_checkpoint_with_data(make_hf(LLAMA), {"tokenizer": "byte"}, tmp_path / "run.ckpt")
+    assert export_main([str(tmp_path / "run.ckpt"), str(tmp_path / "out")]) == 0
+    assert "byte-level, no files to write" in capsys.readouterr().out
+    assert not (tmp_path / "out" / "tokenizer.json").exists()
+    save_checkpoint_with_data(make_hf(LLAMA), {"tokenizer": "hf", "tokenizer_path": str(tmp_path / "gone.json")}, tmp_path / "bad.ckpt")
+    assert export_main([str(tmp_path / "bad.ckpt"), str(tmp_path / "out2")]) == 0  # the model is written; the note says why not the tokenizer
+    out = capsys.readouterr().out
+    assert "tokenizer: NOT written" in out and "gone.json" in out and (tmp_path / "out2" / "config.json").exists()
 
 
 def test_export_refuses_other_checkpoints_with_a_clear_message(tmp_path, capsys):
@@ -278,6 +341,7 @@ def oracle_results(request):
     return stages, spawn(stages, _oracle_scenarios, stages, timeout=600)
 
 
+@pytest.mark.slow
 def test_pipeline_follows_the_single_device_rule(oracle_results):
     from _pipeline_harness import reference_run
     from test_pipeline_oracle import _merge
@@ -300,12 +364,12 @@ def test_pipeline_follows_the_single_device_rule(oracle_results):
 
 
 # ---- the command line, checkpoints and export ----------------------------------------------------
-def fit_from_the_cli(tmp_path, *extra: str):
-    """``lightning-async fit`` with the quick start and the HF Llama recipe; returns the run directory."""
+def fit_from_the_cli(tmp_path, *extra: str, recipe: str = "hf-llama-tiny"):
+    """``lightning-async fit`` with the quick start and an HF model recipe; returns the run directory."""
     from test_cli import REPO, SMALL_DATA, run_cli
 
     proc = run_cli(
-        tmp_path, "fit", "--config", str(REPO / "recipes/quickstart.yaml"), "--config", str(REPO / "recipes/models/hf-llama-tiny.yaml"),
+        tmp_path, "fit", "--config", str(REPO / "recipes/quickstart.yaml"), "--config", str(REPO / f"recipes/models/{recipe}.yaml"),
         *extra, "--trainer.max_steps", "8", "--trainer.val_check_interval", "8", "--trainer.log_every_n_steps", "1",
         "--trainer.enable_progress_bar", "false", "--trainer.enable_checkpointing", "true",
         "--data.cache_dir", str(tmp_path / "cache"), *SMALL_DATA,
@@ -320,13 +384,14 @@ def check_export(checkpoint, state_dict: dict, hparams: dict, out_dir) -> None:
     from lightning_async.cli import main
 
     assert main(["export", str(checkpoint), str(out_dir)]) == 0
-    module = HFCausalLM(hparams["model"])
+    module = HFCausalLM(hparams["model"], aux_loss_microbatches=hparams.get("aux_loss_microbatches"))
     module.load_state_dict(state_dict)
     with torch.no_grad():
         expected = module(ids())
     assert (logits_of_directory(out_dir, ids()) - expected).abs().max().item() <= 1e-6
 
 
+@pytest.mark.slow
 def test_cli_fit_checkpoint_and_export(tmp_path):
     from test_cli import read_scalars
 
@@ -338,6 +403,7 @@ def test_cli_fit_checkpoint_and_export(tmp_path):
     check_export(checkpoint, saved["state_dict"], saved["hyper_parameters"], tmp_path / "hf")
 
 
+@pytest.mark.slow
 def test_cli_pipeline_fit_checkpoint_and_export(tmp_path):
     """2 stages under async_pipe (gloo): the stage files' hyperparameters rebuild the config for export."""
     from test_cli import REPO, read_scalars

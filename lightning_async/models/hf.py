@@ -17,8 +17,10 @@ import inspect
 import json
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 try:
@@ -31,13 +33,16 @@ except ImportError as err:  # pragma: no cover - depends on the environment
         "(or pip install 'transformers>=4.50')."
     ) from err
 
-from lightning_async.lm import CausalLMTraining
+from lightning_async.models.moe import AttachLoss, RouterCapture, RouterLoss, RouterStatistics, balance_and_z_losses
+from lightning_async.models.moe_logging import ExpertStatisticsLogger
+from lightning_async.models.training import CausalLMTraining
 from lightning_async.pipeline.boundary import NO_CONTEXT, call_unit, takes_context
 
 # attention kind of a layer (config.layer_types) -> the Hugging Face function building its mask
 MASK_BUILDERS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
 # the mask functions' cache argument: ``cache`` since transformers 5.2x, ``past_key_values`` before
 _NO_CACHE = {"cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values": None}
+_CAPTURING_MODULE = "transformers.utils.output_capturing"  # where Hugging Face's local capture hooks are defined
 HOW_TO_OVERRIDE = (
     "Subclass HFCausalLM and override pipeline_units() (ordered (name, module) pairs under `model.`, each name "
     "a module path) and, if the layers need side inputs, pipeline_context(input_ids); see docs/models.md."
@@ -90,21 +95,69 @@ def check_local_source(source: str) -> None:
         )
 
 
-# ---- units and how they are called -------------------------------------------------------------
-class DecoderLayerUnit(nn.Module):
-    """A Hugging Face decoder layer as a pipeline unit: hidden states in and out; position ids, RoPE
-    tables and the attention mask come from the context.
+# ---- pickling ---------------------------------------------------------------------------------
+def _hook_dicts(module: nn.Module):
+    return [module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks]
 
-    A view of the layer, not a container: it shares the layer's parameters, buffers and submodules under the
-    same names, so a stage's parameter names are the model's (``self_attn.q_proj.weight``, no extra level),
-    while the layer stays registered under its own path in the model (the unit's name)."""
+
+def strip_output_capturing_hooks(model: nn.Module) -> int:
+    """Remove Hugging Face's output-capturing forward hooks from ``model`` and mark it unhooked, so transformers
+    installs them again when a forward next records outputs. Returns how many were removed."""
+    removed = 0
+    for module in model.modules():
+        hooks = module._forward_hooks
+        for key in [k for k, fn in hooks.items() if getattr(fn, "__module__", None) == _CAPTURING_MODULE]:
+            del hooks[key]
+            module._forward_hooks_with_kwargs.pop(key, None)
+            module._forward_hooks_always_called.pop(key, None)
+            removed += 1
+        if getattr(module, "_output_capturing_hooks_installed", False):
+            module._output_capturing_hooks_installed = False
+    return removed
+
+
+def refuse_local_hooks(model: nn.Module) -> None:
+    """Raise, naming the module and the hook, if a hook on ``model`` is a local function (pickle cannot send it
+    to the processes the spawn launcher starts)."""
+    for name, module in model.named_modules():
+        for hooks in _hook_dicts(module):
+            for fn in hooks.values():
+                if "<locals>" in getattr(fn, "__qualname__", ""):
+                    raise TypeError(
+                        f"The module at {name or 'model'!r} has a hook {fn.__qualname__!r} (a local function), which cannot "
+                        "be pickled for the processes of the spawn launcher. Remove the hook before trainer.fit, or launch "
+                        "with start_method='popen' (the default of AsyncPipelineStrategy; the lightning-async CLI uses it)."
+                    )
+
+
+# ---- units and how they are called -------------------------------------------------------------
+class UnitView(nn.Module):
+    """A view of ``module`` as a pipeline unit with a forward of its own.
+
+    Not a container: it shares the module's parameters, buffers and submodules under the same names, so a stage's
+    parameter names are the model's (``self_attn.q_proj.weight``, no extra level) while the module stays
+    registered under its own path in the model (the unit's name, where the other stages put a placeholder).
+    Other modules the forward needs (a dropout, a router) go in ``__dict__``, unregistered: the model owns them.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self._parameters, self._buffers, self._modules = module._parameters, module._buffers, module._modules
+        self._non_persistent_buffers_set = module._non_persistent_buffers_set
+        self.__dict__["viewed"] = module  # not registered again: its contents already are
+
+
+class DecoderLayerUnit(UnitView):
+    """A Hugging Face decoder layer as a pipeline unit: hidden states in and out; position ids, RoPE
+    tables and the attention mask come from the context."""
 
     def __init__(self, layer: nn.Module, attention_type: str = "full_attention") -> None:
-        super().__init__()
-        self._parameters, self._buffers, self._modules = layer._parameters, layer._buffers, layer._modules
-        self._non_persistent_buffers_set = layer._non_persistent_buffers_set
-        self.__dict__["layer"] = layer  # not registered again: its contents already are
+        super().__init__(layer)
         self.attention_type = attention_type
+
+    @property
+    def layer(self) -> nn.Module:
+        return self.viewed
 
     def forward(self, hidden_states: torch.Tensor, context: dict) -> torch.Tensor:
         out = self.layer(
@@ -116,6 +169,76 @@ class DecoderLayerUnit(nn.Module):
         return out[0] if isinstance(out, tuple) else out  # transformers < 4.54 returned a tuple
 
 
+@dataclass
+class MoELayers:
+    """How to find and train the routers of a mixture-of-experts model's decoder layers.
+
+    ``router_class``/``output_index``: the module whose output (at that index) is the router logits, from the
+    model's own ``_can_record_outputs["router_logits"]`` (what Hugging Face records for its aux loss).
+    """
+
+    router_class: type
+    output_index: int
+    top_k: int
+    loss: RouterLoss
+    statistics: RouterStatistics = field(default_factory=RouterStatistics)
+
+    def router_of(self, layer: nn.Module) -> nn.Module | None:
+        found = [m for m in layer.modules() if isinstance(m, self.router_class)]
+        return found[0] if len(found) == 1 else None
+
+
+class MoEDecoderLayerUnit(DecoderLayerUnit):
+    """A decoder layer with a router: in a forward that builds a graph, it computes the layer's router losses,
+    attaches them to its output (:class:`~lightning_async.models.moe.AttachLoss`) and records its expert
+    statistics; otherwise (evaluation) it is the plain layer."""
+
+    def __init__(self, layer: nn.Module, attention_type: str, index: int, router: nn.Module, moe: MoELayers) -> None:
+        super().__init__(layer, attention_type)
+        self.index = index
+        self.__dict__["capture"] = RouterCapture(router, moe.output_index)  # not submodules: views share the layer's
+        self.__dict__["moe"] = moe
+
+    def forward(self, hidden_states: torch.Tensor, context: dict) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return super().forward(hidden_states, context)
+        with self.capture:
+            out = super().forward(hidden_states, context)
+        logits, self.capture.logits = self.capture.logits, None
+        loss = self.moe.loss
+        balance, z, tokens_per_expert = balance_and_z_losses(logits, self.moe.top_k, loss.chunks)
+        self.moe.statistics.record(self.index, balance, z, tokens_per_expert)
+        if loss.active:
+            out = AttachLoss.apply(out, loss.layer_loss(balance, z), loss.backward_scale)
+        return out
+
+
+def moe_layers_of(hf: nn.Module) -> MoELayers | None:
+    """The MoE description of a ``*ForCausalLM`` whose model records router logits (Mixtral, Qwen2-MoE, Qwen3-MoE,
+    OLMoE, ...); ``None`` for a dense model. The losses' coefficients come from the config, as Hugging Face applies
+    them: ``router_aux_loss_coef`` (and ``router_z_loss_coef`` where a config has one) when
+    ``output_router_logits`` is true, else 0."""
+    specs = (getattr(hf, "_can_record_outputs", None) or {}).get("router_logits")
+    specs = specs if isinstance(specs, list) else [specs] if specs is not None else []
+    recorder = next((r for r in specs if getattr(r, "target_class", None) is not None or isinstance(r, type)), None)
+    if recorder is None:
+        return None
+    router_class = recorder if isinstance(recorder, type) else recorder.target_class
+    index = 1 if isinstance(recorder, type) else recorder.index  # Hugging Face's default for a bare class
+    config = hf.config
+    routers = [m for m in hf.modules() if isinstance(m, router_class)]
+    if not routers:
+        return None
+    top_k = getattr(routers[0], "top_k", None) or config.num_experts_per_tok
+    on = bool(getattr(config, "output_router_logits", False))
+    loss = RouterLoss(
+        aux_coef=float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if on else 0.0,
+        z_coef=float(getattr(config, "router_z_loss_coef", 0.0) or 0.0) if on else 0.0,
+        moe_layers=len(routers),
+    )
+    return MoELayers(router_class, index, int(top_k), loss)
+
+
 def run_units(units: Sequence[tuple[str, nn.Module]], inputs, context):
     """Compose ``units`` on ``inputs`` on one device, calling each as the pipeline does."""
     value = inputs
@@ -124,8 +247,9 @@ def run_units(units: Sequence[tuple[str, nn.Module]], inputs, context):
     return value
 
 
-def plan_units(hf: nn.Module, prefix: str = "model") -> list[tuple[str, nn.Module]]:
-    """The pipeline units of a ``*ForCausalLM``: from its pipeline plan, else from the common layout.
+def plan_units(hf: nn.Module, prefix: str = "model", moe: MoELayers | None = None) -> list[tuple[str, nn.Module]]:
+    """The pipeline units of a ``*ForCausalLM``: from its pipeline plan, else from the common layout. With ``moe``,
+    a decoder layer holding a router becomes a :class:`MoEDecoderLayerUnit`.
 
     Raises ``ValueError`` (saying how to provide the units by hand) when the model has neither.
     """
@@ -151,7 +275,9 @@ def plan_units(hf: nn.Module, prefix: str = "model") -> list[tuple[str, nn.Modul
         if isinstance(module, nn.ModuleList):
             for i, layer in enumerate(module):
                 kind = layer_types[i] if layer_types else "full_attention"
-                units.append((f"{prefix}.{base_name}.{key}.{i}", DecoderLayerUnit(layer, kind)))
+                router = moe.router_of(layer) if moe is not None else None
+                unit = DecoderLayerUnit(layer, kind) if router is None else MoEDecoderLayerUnit(layer, kind, i, router, moe)
+                units.append((f"{prefix}.{base_name}.{key}.{i}", unit))
         else:
             units.append((f"{prefix}.{base_name}.{key}", module))
     units += [(f"{prefix}.{key}", getattr(hf, key)) for key in head_keys]
@@ -174,8 +300,12 @@ class HFCausalLM(CausalLMTraining):
         compile: ``torch.compile`` each decoder layer (in place: the state-dict keys do not change).
         attn_implementation: ``"sdpa"`` (causal attention without a mask tensor) or another transformers
             attention implementation (``"eager"`` builds a mask per micro-batch).
+        aux_loss_microbatches: mixture of experts: the router losses are computed per micro-batch and averaged.
+            Under a pipeline strategy that is its ``n_microbatches`` x ``data_parallel_size`` (leave ``None``, or
+            give that number); on one device, give the number of the pipeline you compare with (``None``: 1, the
+            whole batch). See docs/models.md, "Example 4: a mixture of experts".
         training: ``optimizer``, ``lr``, ``weight_decay``, ``optimizer_kwargs``, ``warmup_fraction``,
-            ``min_lr_fraction`` (:class:`~lightning_async.lm.CausalLMTraining`).
+            ``min_lr_fraction`` (:class:`~lightning_async.models.training.CausalLMTraining`).
 
     The hyperparameters saved in checkpoints hold the full config (``model`` becomes its dict), so a
     checkpoint rebuilds the model without the original directory (``lightning-async export``).
@@ -188,6 +318,7 @@ class HFCausalLM(CausalLMTraining):
         model_overrides: dict | None = None,
         compile: bool = False,
         attn_implementation: str = "sdpa",
+        aux_loss_microbatches: int | None = None,
         **training,
     ) -> None:
         super().__init__(**training)
@@ -209,6 +340,10 @@ class HFCausalLM(CausalLMTraining):
         self.config = self.model.config
         # the checkpoint's hyperparameters rebuild this model from the config alone (weights come from the state dict)
         self.hparams.update(model=self.config.to_diff_dict(), vocab_size=self.config.vocab_size, model_overrides=None)
+        self.moe = moe_layers_of(self.model)
+        self._warn_if_unbalanced()
+        if self.moe is not None:
+            self.moe.loss.whole_batch_per_forward(self._aux_loss_microbatches(None))
         self.check_units()
         if compile:
             for _, unit in self.pipeline_units():
@@ -224,10 +359,80 @@ class HFCausalLM(CausalLMTraining):
                 "whose vocab_size the tokenizer sets."
             )
 
+    # ---- mixture of experts ------------------------------------------------------------------
+    def _warn_if_unbalanced(self) -> None:
+        config = self.config
+        if self.moe is not None and not self.moe.loss.active and getattr(config, "router_aux_loss_coef", 0):
+            rank_zero_warn(
+                f"{type(self.model).__name__} is a mixture of experts trained without router load balancing: its config "
+                "has output_router_logits=False, so (as in Hugging Face) router_aux_loss_coef is not applied and the "
+                "routers may collapse onto a few experts. Set model_overrides: {output_router_logits: true} to train "
+                "with the per-layer load-balancing loss."
+            )
+
+    def _aux_loss_microbatches(self, pipeline_microbatches: int | None) -> int:
+        """Micro-batches the router losses average over: the pipeline's (checked against the argument) or the argument."""
+        given = self.hparams.get("aux_loss_microbatches")
+        if given is not None and (not isinstance(given, int) or given < 1):
+            raise ValueError(f"aux_loss_microbatches must be a positive integer (micro-batches per batch), got {given!r}.")
+        if pipeline_microbatches is not None and given not in (None, pipeline_microbatches):
+            raise ValueError(
+                f"aux_loss_microbatches={given}, but this pipeline computes the router losses on each of its "
+                f"{pipeline_microbatches} micro-batches (n_microbatches x data_parallel_size): set aux_loss_microbatches "
+                f"to {pipeline_microbatches} (or leave it unset) so one device and the pipeline train the same objective."
+            )
+        return pipeline_microbatches or given or 1
+
+    def setup(self, stage: str) -> None:
+        """Under a pipeline strategy (it has ``n_microbatches``) each forward is one micro-batch: the router losses'
+        gradient is scaled as the runtime scales the micro-batch's loss. On one device a forward is the whole batch."""
+        if self.moe is None:
+            return
+        strategy = self.trainer.strategy
+        m = getattr(strategy, "n_microbatches", None)
+        if m is None:
+            self.moe.loss.whole_batch_per_forward(self._aux_loss_microbatches(None))
+            return
+        replicas = getattr(strategy, "data_parallel_size", 1)
+        self._aux_loss_microbatches(m * replicas)
+        self.moe.loss.one_forward_per_microbatch(m * replicas)
+
+    # an MoE logs its expert statistics from these hooks (ExpertStatisticsLogger: per layer, per pipeline stage)
+    def on_train_start(self) -> None:
+        if self.moe is not None:
+            self._expert_logger = ExpertStatisticsLogger()
+            self._expert_logger.start(self.trainer, self)
+
+    def on_train_batch_start(self, batch: torch.Tensor, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self.moe is not None:
+            self._expert_logger.batch_start(self.trainer)
+
+    def on_train_batch_end(self, outputs, batch: torch.Tensor, batch_idx: int) -> None:
+        if self.moe is not None:
+            self._expert_logger.batch_end(self.trainer, self)
+
+    def on_train_end(self) -> None:
+        if self.moe is not None:
+            self._expert_logger.end()
+
+    @property
+    def router_statistics(self) -> RouterStatistics | None:
+        """Per-layer router statistics recorded by this rank's MoE layers (``None`` for a dense model)."""
+        return self.moe.statistics if self.moe is not None else None
+
+    def __getstate__(self) -> dict:
+        """Pickling (the spawn launcher): Hugging Face's output-capturing hooks are local functions, installed the
+        first time a forward records outputs (``output_router_logits=True``); they are removed here and reinstalled
+        by Hugging Face on the next forward that needs them. Any other unpicklable hook is refused by name."""
+        strip_output_capturing_hooks(self.model)
+        refuse_local_hooks(self.model)
+        return super().__getstate__()
+
     # ---- pipeline contract -------------------------------------------------------------------
     def pipeline_units(self) -> list[tuple[str, nn.Module]]:
         """Embedding, each decoder layer, final norm, head (under their module paths in ``model``)."""
-        return plan_units(self.model)
+        return plan_units(self.model, moe=self.moe)
 
     def pipeline_context(self, input_ids: torch.Tensor) -> dict:
         """What every decoder layer needs besides the hidden states, for a micro-batch of ``input_ids``."""
