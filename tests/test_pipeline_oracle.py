@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from _pipeline_harness import pipeline_run, reference_run, spawn
+from lightning_async.pipeline.schedules import spec
 
 STEPS = 10
 # Keyed by the number of processes: (stages, schedule, optimizer, correction, clip, drain after these
@@ -40,6 +41,7 @@ SCENARIOS = {
         (2, "zbv", "adamw", 0.0, 1.0, (), True, "llama"),
         (2, "interleaved", "muon", 0.0, 1.0, (2,), True, "qwen2-tied"),
         (2, "zbh1", "adamw", 0.0, 1.0, (), False, "qwen2-tied"),
+        (2, "2bw-split", "adamw", 1.0, 1.0, (2,), True),
     ],
     3: [
         (3, "2bw", "adamw", ADAPTIVE_EF, None, (), True),
@@ -48,6 +50,7 @@ SCENARIOS = {
         (3, "2bw", "muon", 1.0, 0.5, (), False),
         (3, "zbh1", "muon", 0.0, 0.5, (2,), True),
         (3, "zbv", "adamw", 0.0, 1.0, (), True),
+        (3, "2bw-split", "muon", ADAPTIVE_EF, None, (), False),
     ],
     4: [
         (4, "2bw", "adamw", 1.0, 0.5, (3,), True),
@@ -102,7 +105,7 @@ def _merge(per_rank: list, index: int) -> dict[str, torch.Tensor]:
 def test_pipeline_equals_single_device_rule(pipeline_results):
     world, per_rank = pipeline_results
     for index, (stages, schedule, opt, ef, clip, _, _, *rest) in enumerate(SCENARIOS[world]):
-        delay = 1 if schedule == "2bw" else 0
+        delay = 1 if spec(schedule).delayed else 0
         replicas = world // stages
         reference = reference_run(opt, delay, ef, STEPS, clip, microbatches=microbatches(stages) * replicas,
                                   workload=workload(*rest))

@@ -41,7 +41,7 @@ CONFIGS = _configs(seed=1234, count=100)
 
 def version_used(schedule: str, batch: int) -> int:
     """Updates contained in the weights batch ``batch`` runs on: 2BW ``V(b) = W0 - u(0..b-2)``; sync ``W_b``."""
-    return max(batch - 1, 0) if schedule == "2bw" else batch
+    return max(batch - 1, 0) if spec(schedule).delayed else batch
 
 
 def check_stage(schedule: str, actions: list[Action], p: int, m: int, batches: list[int]) -> None:
@@ -65,7 +65,7 @@ def check_stage(schedule: str, actions: list[Action], p: int, m: int, batches: l
             # The weights this micro-batch needs must be live: the newest (``done`` updates) or, under 2BW,
             # the one before it. Sync: exactly the newest.
             need = version_used(schedule, a.batch)
-            if schedule == "2bw":
+            if s.delayed:
                 assert done - 1 <= need <= done, f"{a!r} needs version {need}, stage has applied {done} updates"
             else:
                 assert need == done, f"{a!r} runs on weights with {done} updates, expected {need}"
@@ -73,7 +73,7 @@ def check_stage(schedule: str, actions: list[Action], p: int, m: int, batches: l
             assert key not in forwards, f"{a!r} twice"
             forwards[key] = pos
             in_flight.setdefault(a.batch, set()).add(key)
-            limit = 2 if schedule == "2bw" else 1
+            limit = 2 if s.delayed else 1
             assert len(in_flight) <= limit, f"batches {sorted(in_flight)} in flight at {a!r}"
             live = {done} | {version_used(schedule, b) for b in in_flight}
             assert len(live) <= limit, f"weight versions {sorted(live)} live at {a!r}"
@@ -97,7 +97,7 @@ def check_stage(schedule: str, actions: list[Action], p: int, m: int, batches: l
             assert all(k in backwards for k in mbs), f"U(b{b}) before all backwards of batch {b}"
             # Staleness of the gradient this update applies: 1 under 2BW (0 for the very first batch), 0 sync.
             delay = done - version_used(schedule, b)
-            assert delay == (min(b, 1) if schedule == "2bw" else 0), f"U(b{b}) applies a gradient {delay} old"
+            assert delay == (min(b, 1) if s.delayed else 0), f"U(b{b}) applies a gradient {delay} old"
             updates[b] = pos
             done += 1
     expected = sorted((c, j) for c in range(s.chunks) for b in batches for j in range(b * m, (b + 1) * m))
@@ -107,7 +107,7 @@ def check_stage(schedule: str, actions: list[Action], p: int, m: int, batches: l
     assert not in_flight
     for b in batches:
         # U(b) precedes the first forward of batch b+1 (sync) or b+2 (2BW): the slot it overwrites is free.
-        ahead = 2 if schedule == "2bw" else 1
+        ahead = 2 if s.delayed else 1
         later = [forwards[c, j] for c in range(s.chunks) for j in range((b + ahead) * m, (b + ahead + 1) * m) if (c, j) in forwards]
         assert all(updates[b] < f for f in later), f"a forward of batch {b + ahead} runs before U(b{b})"
 

@@ -230,8 +230,8 @@ class StageTransport:
         waits for this very send).
         """
         self._reap()
-        if send is not None and recv is not None and not self._shape_known(*recv):
-            recv = None
+        if recv is not None and (self._inbox is not None or (send is not None and not self._shape_known(*recv))):
+            recv = None  # one receive outstanding at a time (it is consumed first); a header-owing one waits
         ops, sent, send_peer = [], [], None
         if send is not None:
             value, kind, piece = send
@@ -259,8 +259,11 @@ class StageTransport:
         return (self.act_spec if kind == "act" else self.sent_spec).get(piece) is not None
 
     def prepost(self, kind: str, piece: int) -> bool:
-        """Post the receive of ``piece``'s next ``kind`` message now, unwaited (when enabled and its shape is known)."""
-        if not self.prepost_enabled or not self._shape_known(kind, piece) or self._inbox is not None:
+        """Post the receive of ``piece``'s next ``kind`` message now, unwaited (when enabled and its shape is known);
+        True when that receive is posted (now or already)."""
+        if self._inbox is not None:
+            return self._inbox[:2] == (kind, piece)
+        if not self.prepost_enabled or not self._shape_known(kind, piece):
             return False
         out, peer, tag = self._recv_buffers(kind, piece)
         self._inbox = (kind, piece, [dist.irecv(x, peer, group=self.group, tag=tag) for x in out], out, peer)

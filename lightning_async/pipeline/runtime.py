@@ -359,10 +359,16 @@ class PipelineRuntime:
 
     def _run_actions(self, actions: Sequence[schedules.Action], training: bool) -> None:
         t = self.transport
+        remote = [self._remote_input(a) for a in actions]  # (kind, piece) an action receives from another rank
+        ahead: list[tuple[str, int] | None] = [None] * len(actions)  # the first such receive after each action
+        for k in range(len(actions) - 2, -1, -1):
+            ahead[k] = remote[k + 1] or ahead[k + 1]
         for k, action in enumerate(actions):
-            nxt = actions[k + 1] if k + 1 < len(actions) else None
+            nxt = remote[k + 1] if k + 1 < len(actions) else None  # what the very next action receives (fused on NCCL)
             self._apply_ready_updates()
             if action.kind == UPDATE:
+                if ahead[k] is not None:
+                    t.prepost(*ahead[k])
                 self._begin_update(action.batch)
                 if self.spec.flushes:
                     self._apply_update(action.batch)
@@ -371,27 +377,28 @@ class PipelineRuntime:
                 continue
             c, mb = action.chunk, action.microbatch
             if action.kind == WEIGHT_GRAD:
+                if ahead[k] is not None:
+                    t.prepost(*ahead[k])
                 self._weight_grad(c, mb)
                 continue
             piece = self.pieces[c]
             i = mb % self.n_microbatches
             inputs, targets = self._batch_data[action.batch]
-            needs = self._remote_input(nxt)  # (kind, piece) the next action receives from another rank, if any
             if action.kind == FORWARD:
                 x = inputs[i] if piece == 0 else self._input("act", c, mb)
-                preposted = needs is not None and t.prepost(*needs)
+                preposted = ahead[k] is not None and t.prepost(*ahead[k])
                 y = self._forward(c, mb, action.batch, x, inputs[i], targets[i], training)
                 if piece == self.last_piece:
                     self._record_loss(action.batch, y)
                     continue
-                self._output(y, "act", c, mb, None if preposted else needs)
+                self._output(y, "act", c, mb, None if preposted else nxt)
             else:  # BACKWARD, INPUT_GRAD
                 grad = None if piece == self.last_piece else self._input("grad", c, mb)
-                preposted = needs is not None and t.prepost(*needs)
+                preposted = ahead[k] is not None and t.prepost(*ahead[k])
                 dx = self._backward(c, mb, grad, split=action.kind == INPUT_GRAD)
                 if piece == 0:
                     continue
-                self._output(dx, "grad", c, mb, None if preposted else needs)
+                self._output(dx, "grad", c, mb, None if preposted else nxt)
 
     def _neighbour_chunk(self, chunk: int, kind: str) -> int | None:
         """This rank's chunk that ``chunk``'s ``kind`` message goes to (act: the piece after; grad: the piece before),

@@ -145,14 +145,16 @@ def simulate_lists(
     update: float | Sequence[float] = 0.0,
     weight: float | Sequence[float] | None = None,
     schedule: "str | ScheduleSpec" = "1f1b",
+    overhead: float | Sequence[float] = 0.0,
 ) -> list[list[tuple[Action, float, float]]]:
     """Run arbitrary per-rank action lists; return the trace ``[(action, start, end), ...]`` per rank.
 
     ``forward``/``backward``/``weight`` (the ``W`` part of a split backward, default half of it) are per *piece*
     (virtual stage: a scalar, or one value per piece in model order), ``comm`` per boundary between consecutive
     pieces (a scalar or one per boundary; boundaries inside a rank cost nothing), ``update`` per rank.
-    ``schedule`` says which rank and chunk hold each piece. Raises :class:`DeadlockError` naming each stuck rank's
-    next action when the lists cannot complete.
+    ``schedule`` says which rank and chunk hold each piece. ``overhead`` (per rank, or a scalar) is added to every
+    ``F``/``B``/``I``/``W``: a runtime's own cost per action (bookkeeping, launching sends). Raises
+    :class:`DeadlockError` naming each stuck rank's next action when the lists cannot complete.
     """
     s_ = spec(schedule)
     p = len(actions)
@@ -160,6 +162,7 @@ def simulate_lists(
     tf, tb = _per_stage(forward, pieces, "forward"), _per_stage(backward, pieces, "backward")
     tw = [b / 2 for b in tb] if weight is None else _per_stage(weight, pieces, "weight")
     tu, hop = _per_stage(update, p, "update"), _per_hop(comm, pieces)
+    extra = _per_stage(overhead, p, "overhead")
     holder = [s_.holder(k, p) for k in range(pieces)]
     done: list[dict[tuple[str, int, int], float]] = [{} for _ in range(p)]
     ptr, free = [0] * p, [0.0] * p
@@ -192,7 +195,7 @@ def simulate_lists(
                 if a.kind not in (FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD):
                     raise ValueError(f"unknown action kind {a.kind!r} in {a!r}")
                 piece = s_.piece(r, a.chunk, p)
-                duration = _durations(a.kind, tf[piece], tb[piece], tw[piece])
+                duration = _durations(a.kind, tf[piece], tb[piece], tw[piece]) + extra[r]
                 if a.kind == FORWARD and piece > 0:
                     ready = arrival(piece - 1, piece, (FORWARD,), a.microbatch)
                 elif a.kind in GRADIENT_ACTIONS and piece < pieces - 1:
@@ -516,7 +519,8 @@ def schedule_memory(
 
 
 def render_timeline(result: SimResult, chars_per_unit: int = 3, unit: float | None = None) -> str:
-    """ASCII timeline, one row per stage: ``F5``/``B5`` = forward/backward of micro-batch 5, ``.`` = idle,
+    """ASCII timeline, one row per rank: ``F5``/``B5`` = forward/backward of micro-batch 5 (``I5``/``W5``: a split
+    backward's input and weight gradients; ``F5c1``: on the rank's chunk 1), ``.`` = idle,
     ``|`` = the update (``U``) of a batch finishes there (when updates take no time), ``U`` = a timed update.
 
     ``unit`` is the time per ``chars_per_unit`` characters (default: the shortest action duration).
@@ -535,7 +539,7 @@ def render_timeline(result: SimResult, chars_per_unit: int = 3, unit: float | No
                 if a.kind == UPDATE:
                     marks.append(i)
                 continue
-            label = " " + (f"{a.kind}{a.microbatch}" if a.kind != UPDATE else "U")
+            label = " " + (repr(a) if a.kind != UPDATE else "U")
             cell = (label + " " * (j - i))[: j - i]
             row[i:j] = list(cell)
         for i in marks:
