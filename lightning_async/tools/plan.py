@@ -14,7 +14,8 @@ stage costs are nominal instead: FLOP counts at that sustained rate, parameters 
 estimated, nothing measured.
 
 With ``--compare`` it draws the map instead: for each ``p`` and ``m``, every synchronous schedule we run (1F1B,
-ZB-H1, interleaved 1F1B with two chunks per stage, ZB-V) and 2BW, their per-batch time and peak memory, the best
+ZB-H1, interleaved 1F1B with two chunks per stage, ZB-V) and 2BW (and 2BW-split), their per-batch time and peak
+memory, the best
 synchronous schedule that fits ``--memory-gib`` (when memory costs are known), 2BW's throughput relative to it, and
 a one-line recommendation. ``--weight-fraction`` is the share of the backward that is the weight gradient (what a
 zero-bubble schedule can defer; 0.5 for a transformer's linear layers).
@@ -111,9 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-#: the schedules of the map: the synchronous ones we run, and 2BW
+#: the schedules of the map: the synchronous ones we run, and the asynchronous ones
 COMPARED = ("1f1b", "zbh1", "interleaved", "zbv")
-ASYNC = "2bw"
+ASYNC = ("2bw", "2bw-split")
 
 
 def compare_row(p: int, m: int, costs: dict, comm_s: float, update_s: float, num_batches: int,
@@ -122,7 +123,7 @@ def compare_row(p: int, m: int, costs: dict, comm_s: float, update_s: float, num
     (that fits ``budget_bytes``), 2BW's speed-up over it and a recommendation."""
     weight = [b * weight_fraction for b in costs["backward_s"]]
     row = {"p": p, "m": m, "schedules": {}}
-    for name in (*COMPARED, ASYNC):
+    for name in (*COMPARED, *ASYNC):
         s_ = spec(name)
         try:
             s_.validate(p, m)
@@ -137,35 +138,38 @@ def compare_row(p: int, m: int, costs: dict, comm_s: float, update_s: float, num
             entry["fits"] = budget_bytes is None or entry["peak_bytes"] <= budget_bytes
         row["schedules"][name] = entry
     timed = {n: e for n, e in row["schedules"].items() if "per_batch_s" in e}
-    sync = {n: e for n, e in timed.items() if n != ASYNC and e.get("fits", True)}
-    two = timed.get(ASYNC)
+    sync = {n: e for n, e in timed.items() if n not in ASYNC and e.get("fits", True)}
+    delayed = {n: e for n, e in timed.items() if n in ASYNC}
+    fastest = min(delayed, key=lambda n: delayed[n]["per_batch_s"]) if delayed else None
+    two = delayed.get(fastest)
     if not sync:
         row["recommendation"] = "no synchronous schedule fits the memory budget" + (
-            "; 2BW fits" if two and two.get("fits", True) else "; nothing fits")
+            f"; {fastest} fits" if two and two.get("fits", True) else "; nothing fits")
         return row
     best = min(sync, key=lambda n: sync[n]["per_batch_s"])
     row["best_sync"] = best
     if two is not None:
         gain = sync[best]["per_batch_s"] / two["per_batch_s"]
-        row["2bw_over_best_sync"] = gain
-        extra = (f", +{_fmt_bytes(two['peak_bytes'] - sync[best]['peak_bytes'])} per stage"
+        row["2bw_over_best_sync"], row["best_async"] = gain, fastest
+        more = two.get("peak_bytes", 0) - sync[best].get("peak_bytes", 0)
+        extra = (f", {'+' if more >= 0 else '-'}{_fmt_bytes(abs(more))} of memory on the most loaded stage"
                  if "peak_bytes" in two and "peak_bytes" in sync[best] else "")
         if not two.get("fits", True):
             row["recommendation"] = f"{best}: 2BW needs more memory than the budget"
         elif gain >= worth:
-            row["recommendation"] = f"2BW: {gain:.2f}x {best}{extra}; pair it with a delay-robust optimizer (Muon) or EF"
+            row["recommendation"] = f"{fastest}: {gain:.2f}x {best}{extra}; pair it with a delay-robust optimizer (Muon) or EF"
         else:
-            row["recommendation"] = f"{best}: 2BW gains only {gain:.2f}x, not worth a stale gradient"
+            row["recommendation"] = f"{best}: 2BW gains only {gain:.3f}x (< {worth:g}x), not worth a stale gradient"
     return row
 
 
 def format_compare_table(rows: list[dict]) -> str:
-    names = (*COMPARED, ASYNC)
+    names = (*COMPARED, *ASYNC)
     has_mem = any("peak_bytes" in e for r in rows for e in r["schedules"].values())
     head = ["p", "m", *(f"{n} batch" for n in names)]
     if has_mem:
         head += [f"{n} mem" for n in names]
-    head += ["best sync", "2BW x best", "recommendation"]
+    head += ["best sync", "2BW x best sync", "recommendation"]
     lines = []
     for r in rows:
         cells = [str(r["p"]), str(r["m"])]
@@ -429,7 +433,7 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
         print(
             f"batch = steady per-batch time (weight gradient {args.weight_fraction:g} of the backward); mem = peak of the "
             "most loaded stage (weight versions, a gradient buffer, optimizer state, peak in-flight activations); "
-            "best sync = fastest synchronous schedule that fits --memory-gib; 2BW x best = its time / 2BW's."
+            "best sync = fastest synchronous schedule that fits --memory-gib; 2BW x best sync = its time / the faster 2BW's (2bw or 2bw-split)."
         )
     else:
         print(
