@@ -44,7 +44,7 @@ from _stages import reset_peak_rss, rss_kib  # noqa: E402
 from lightning_async.models import SmolLM2, model_config  # noqa: E402
 from lightning_async.models.objective import next_token_loss, split_next_token  # noqa: E402
 from lightning_async.optim import build_optimizer  # noqa: E402
-from lightning_async.optim import ErrorFeedback  # noqa: E402
+from lightning_async.optim import ErrorFeedbackCorrection  # noqa: E402
 from lightning_async.pipeline import schedules  # noqa: E402
 from lightning_async.pipeline import stage as stage_module  # noqa: E402
 from lightning_async.pipeline.local import run_local  # noqa: E402
@@ -163,7 +163,7 @@ def measured_worker(cfg: dict) -> dict:
     built = build_rank(
         units, spec, cfg["m"], split_next_token, next_token_loss, make_optimizer, rank=rank,
         world_size=dist.get_world_size(), pipeline_parallel_size=p, stage_units=stage_units,
-        correction=None if ef is None else ErrorFeedback(ef), autocast=contextlib.nullcontext, device=device,
+        correction=None if ef is None else ErrorFeedbackCorrection(ef), autocast=contextlib.nullcontext, device=device,
         context_fn=context_fn, activation_checkpointing=recompute,
     )
     runtime, act = built.runtime, measure["act"]

@@ -352,14 +352,18 @@ def test_run_telemetry_logs_identity_and_done(callbacks, identity: dict, tmp_pat
 
 
 def test_run_identity_of_the_pipeline_strategy_error_feedback() -> None:
-    """AsyncPipelineStrategy(error_feedback=1.0) applies EF: recorded as the ef correction under the one schema."""
+    """A pipeline whose runtime applies EF (however it was set) is recorded as the ef correction under the one schema."""
+    from types import SimpleNamespace
+
     from lightning_async.callbacks import run_identity
+    from lightning_async.optim import build_correction
     from lightning_async.strategies import AsyncPipelineStrategy
 
     model = CausalLM(vocab_size=VOCAB, model_overrides=OVERRIDES)
-    for strategy, correction, strength in ((AsyncPipelineStrategy(error_feedback=1.0), "ef", 1.0),
-                                           (AsyncPipelineStrategy(), "none", 0.0)):
+    for applied, correction, strength in ((build_correction("ef", 1.0), "ef", 1.0), (None, "none", 0.0)):
+        strategy = AsyncPipelineStrategy()
         trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
+        strategy.runtime = SimpleNamespace(correction=applied)
         record = run_identity(trainer, model)
         assert (record["mode"], record["correction"], record["correction_strength"]) == (
             "async_pipe", correction, strength)

@@ -61,7 +61,7 @@ def fit(tmp_path: Path, small_data: list[str], *args: str) -> list[str]:
     "args, message",
     [
         (["--config", PIPELINE, "--trainer.strategy.init_args.schedule", "zzz"],
-         "AsyncPipelineStrategy: Unknown pipeline schedule 'zzz'. Choose one of: gpipe, 1f1b, 2bw"),
+         "AsyncPipelineStrategy: Unknown pipeline schedule 'zzz'. Choose one of: gpipe, 1f1b, zbh1, interleaved, zbv, 2bw, 2bw-split"),
         (["--model.model", "huge"], "CausalLM: Unknown model config 'huge'"),
         (["--data.source", "nowhere"], "TextDataModule: unknown data source 'nowhere'"),
     ],

@@ -13,7 +13,7 @@ import torch
 
 from lightning_async.models.objective import next_token_loss, split_next_token
 from lightning_async.optim import build_optimizer
-from lightning_async.optim import ErrorFeedback
+from lightning_async.optim import ErrorFeedbackCorrection
 from lightning_async.pipeline.runtime import PipelineRuntime
 from lightning_async.pipeline.stage import StageModule
 from lightning_async.pipeline.timing import memory_model
@@ -38,7 +38,7 @@ def make_runtime(schedule: str, ef: float | None, m: int = 2) -> PipelineRuntime
     opt = build_optimizer("adamw", list(stage.named_parameters()), lr=1e-3, weight_decay=0.1)
     return PipelineRuntime(
         stage, opt, schedule, m, split_next_token, next_token_loss,
-        correction=None if ef is None else ErrorFeedback(ef), autocast=contextlib.nullcontext,
+        correction=None if ef is None else ErrorFeedbackCorrection(ef), autocast=contextlib.nullcontext,
     )
 
 

@@ -19,7 +19,7 @@ from torch import nn
 from _pipeline_harness import SHRUNK_BATCH, Workload, pipeline_run, reference_run, spawn
 
 from lightning_async.optim import build_optimizer
-from lightning_async.optim import ErrorFeedback
+from lightning_async.optim import ErrorFeedbackCorrection
 from lightning_async.pipeline.boundary import flatten, takes_context, unflatten
 from lightning_async.pipeline.groups import make_pipeline_groups
 from lightning_async.pipeline.p2p import BoundaryChanged, PeerFailure
@@ -279,7 +279,7 @@ def _one_stage_2bw_weights(activation_checkpointing: bool) -> list[torch.Tensor]
     opt = build_optimizer("adamw", list(stage.named_parameters()), lr=3e-3)
     runtime = PipelineRuntime(
         stage, opt, "2bw", 2, MaskedLM.pipeline_split_batch, next_token_loss, gradient_clip_val=1.0,
-        correction=ErrorFeedback(1.0), activation_checkpointing=activation_checkpointing,
+        correction=ErrorFeedbackCorrection(1.0), activation_checkpointing=activation_checkpointing,
     )
     for batch in token_batches(STEPS):
         runtime.train_batch(batch)

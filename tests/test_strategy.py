@@ -239,8 +239,8 @@ def test_module_without_pipeline_contract():
 def test_corrections_need_the_delayed_schedule():
     """One check, one message, wherever a correction meets a synchronous schedule."""
     message = r"corrects the one-step delay of schedule '2bw', but schedule '1f1b' is synchronous.*async_pipe"
-    with pytest.raises(ValueError, match="error_feedback " + message):
-        AsyncPipelineStrategy(schedule="1f1b", error_feedback=1.0)
+    with pytest.raises(ValueError, match="The 'ef' correction " + message):
+        AsyncPipelineStrategy(schedule="1f1b", correction="ef")
     stage = StageModule([("linear", nn.Linear(2, 2))])
     with pytest.raises(ValueError, match="The 'nesterov' correction " + message):
         PipelineRuntime(stage, torch.optim.SGD(stage.parameters(), lr=0.1), "1f1b", 1, lambda b: b, lambda y, t: y,
@@ -280,7 +280,7 @@ def test_spawn_returns_every_stage_to_the_main_process(pipeline_fits):
 
 
 def test_unknown_schedule_names_the_choices():
-    with pytest.raises(ValueError, match=r"Unknown pipeline schedule '2bx'\. Choose one of: gpipe, 1f1b, zbh1, interleaved, zbv, 2bw \(or strategy='async_pipe'"):
+    with pytest.raises(ValueError, match=r"Unknown pipeline schedule '2bx'\. Choose one of: gpipe, 1f1b, zbh1, interleaved, zbv, 2bw, 2bw-split \(or strategy='async_pipe'"):
         AsyncPipelineStrategy(schedule="2bx")
 
 
@@ -325,17 +325,40 @@ def test_refused_mesh_starts_no_other_rank(monkeypatch):
         trainer.fit(CausalLM(vocab_size=257, model_overrides=SHAPE), datamodule=TinyData())
 
 
-def test_run_identity_records_the_strategy_error_feedback():
-    """Before: AsyncPipelineStrategy(error_feedback=1.0) applied EF but the run was recorded with ef_strength 0."""
+def test_one_way_to_set_a_correction():
+    """The strategy's ``correction=`` and the callbacks set the same setting; the deprecated ``error_feedback=`` maps
+    onto it; two different ones are refused."""
+    from lightning_async.optim import ErrorFeedbackCorrection
+
+    built = AsyncPipelineStrategy(correction={"method": "ef", "strength": 0.5}).make_correction()
+    assert isinstance(built, ErrorFeedbackCorrection) and built.strength == 0.5
+    with pytest.warns(DeprecationWarning, match="correction="):
+        old = AsyncPipelineStrategy(error_feedback=1.0)
+    assert old.correction == {"method": "ef", "strength": 1.0}
+    strategy = AsyncPipelineStrategy(correction="ef")
+    strategy.use_correction("ef")  # the same one again (a callback agreeing with the constructor)
+    with pytest.raises(ValueError, match="choose one"):
+        strategy.use_correction({"method": "nesterov"})
+    with pytest.raises(ValueError, match="Unknown correction 'efx'"):
+        AsyncPipelineStrategy(correction="efx")
+    with pytest.raises(ValueError, match="changes the weights the forward reads"):
+        AsyncPipelineStrategy(correction="weight-prediction")
+
+
+def test_run_identity_reads_the_correction_the_runtime_holds():
+    """Before: telemetry built the correction a third time from the strategy's settings (and recorded
+    AsyncPipelineStrategy(error_feedback=1.0) as no correction)."""
+    from types import SimpleNamespace
+
     from lightning_async.callbacks import run_identity
 
     model = CausalLM(vocab_size=257, model_overrides=SHAPE)
-    for strategy, expected in ((AsyncPipelineStrategy(error_feedback=1.0), 1.0), (AsyncPipelineStrategy(), 0.0)):
+    for correction, expected in ((build_correction("ef", 1.0), 1.0), (None, 0.0)):
+        strategy = AsyncPipelineStrategy()
         trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
+        strategy.runtime = SimpleNamespace(correction=correction)
         identity = run_identity(trainer, model)
         assert identity["mode"] == "async_pipe" and identity["ef_strength"] == expected
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=AsyncPipelineStrategy(), logger=False, callbacks=[ErrorFeedback(0.5)])
-    assert run_identity(trainer, model)["ef_strength"] == 0.5  # the callback, before its setup hook ran
 
 
 def test_a_failing_launcher_process_ends_the_ranks_it_started():

@@ -200,6 +200,39 @@ def test_plan_command_with_given_costs(tmp_path, capsys):
     assert r["1f1b"]["bubble"] == pytest.approx(3 / 11)
 
 
+def test_the_map_compares_every_schedule_with_2bw(tmp_path, capsys):
+    """``plan --compare``: closed forms at F = I = W (ZB-H1 and ZB-V 0.8 of the limit at m = p, ZB-V bubble-free at
+    m = 2p), the best synchronous schedule, 2BW's speed-up over it, and the recommendation that follows."""
+    from lightning_async.tools.plan import plan_main
+
+    out = tmp_path / "map.json"
+    assert plan_main(["--compare", "--forward-ms", "10", "--backward-ms", "20", "--stages", "4", "--microbatches", "1", "2",
+                      "--json", str(out)]) == 0
+    assert "recommendation" in capsys.readouterr().out
+    rows = {(r["p"], r["m"]): r for r in json.loads(out.read_text())["rows"]}
+    at_p, at_2p = rows[(4, 4)], rows[(4, 8)]
+    times = {n: e["per_batch_s"] for n, e in at_p["schedules"].items()}
+    assert times["1f1b"] == pytest.approx(7 * 0.03) and times["2bw"] == pytest.approx(4 * 0.03)
+    assert times["zbh1"] == pytest.approx(4 * 0.03 + 3 * 0.01)  # m (F + B) + (p - 1)(F + I - W)
+    assert times["interleaved"] == pytest.approx(4 * 0.03 + 3 * 0.03 / 2)
+    assert at_p["2bw_over_best_sync"] == pytest.approx(1.25) and at_p["recommendation"].startswith("2bw")
+    assert at_2p["schedules"]["zbv"]["per_batch_s"] == pytest.approx(8 * 0.03)
+    assert at_2p["best_sync"] == "zbv" and at_2p["2bw_over_best_sync"] == pytest.approx(1.0)
+    assert at_2p["recommendation"].startswith("zbv: 2BW gains only")
+
+
+def test_the_map_leaves_out_schedules_over_the_memory_budget(tmp_path, capsys):
+    from lightning_async.tools.plan import plan_main
+
+    out = tmp_path / "map.json"
+    assert plan_main(["--compare", "--stages", "4", "--microbatches", "1", "--memory-gib", "3", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    over = {n for n, e in row["schedules"].items() if not e["fits"]}
+    assert over and "1f1b" not in over and row["best_sync"] not in over  # the nominal head makes ZB stages heavy
+    assert plan_main(["--compare", "--weight-fraction", "1.5"]) == 2
+    assert "--weight-fraction must be in [0, 1)" in capsys.readouterr().err
+
+
 def test_plan_command_measures_a_tiny_model(tmp_path, capsys):
     from lightning_async.tools.plan import plan_main
 

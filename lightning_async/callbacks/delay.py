@@ -15,15 +15,15 @@ from collections.abc import Mapping, Sequence
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from lightning_async.optim.corrections import NO_CORRECTION, build_correction
+from lightning_async.optim.corrections import NO_CORRECTION, build_correction, check_applicable
 from lightning_async.optim.delay import DelayedOptimizer, check_delay
-from lightning_async.pipeline import profiles, schedules
+from lightning_async.pipeline import profiles
 
 
-def _is_pipeline(trainer: Trainer) -> bool:
-    from lightning_async.strategies import AsyncPipelineStrategy
-
-    return isinstance(trainer.strategy, AsyncPipelineStrategy)
+def pipeline_schedule(trainer: Trainer):
+    """The schedule spec of a pipeline strategy (``AsyncPipelineStrategy.schedule_spec``), ``None`` for any other
+    strategy. (Asked of the strategy, not imported from ``strategies``: the strategy imports the callbacks.)"""
+    return getattr(trainer.strategy, "schedule_spec", None)
 
 
 def _wrap_configured(result, wrap):
@@ -134,7 +134,7 @@ class DelaySimulation(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if not self.active or stage != "fit":
             return
-        if _is_pipeline(trainer):
+        if pipeline_schedule(trainer) is not None:
             raise ValueError(
                 "DelaySimulation simulates the pipeline's delay on one device, but strategy is already a pipeline, "
                 "which delays for real. Remove the DelaySimulation callback (or set delay: 0)."
@@ -253,8 +253,8 @@ class DelayCorrection(Callback):
         if not self.active or stage != "fit":
             return
         self.check(trainer)
-        if _is_pipeline(trainer):
-            trainer.strategy.correction_settings = self.settings
+        if pipeline_schedule(trainer) is not None:
+            trainer.strategy.use_correction(self.settings)
             return
         for source in _delay_sources(trainer):
             source.correction_settings = self.settings
@@ -269,22 +269,7 @@ class DelayCorrection(Callback):
             names = ", ".join(cb.correction.method for cb in [self, *others])
             raise ValueError(f"Two staleness corrections are switched on ({names}); choose one (set the other's "
                              "strength to 0, e.g. --error_feedback.strength 0).")
-        method = self.correction.method
-        if _is_pipeline(trainer):
-            strategy = trainer.strategy
-            schedules.spec(strategy.schedule).require_delay(f"The {method!r} correction")
-            if not self.correction.pipeline_supported:
-                raise ValueError(
-                    f"The {method!r} correction changes the weights the forward reads; the 2BW pipeline keeps two "
-                    "weight versions per stage and cannot. Study it on one device with DelaySimulation "
-                    "(recipes modes/delayed + corrections/" + method + ")."
-                )
-            return
-        if not _delay_sources(trainer):
-            raise ValueError(
-                f"{self.describe()} needs a delay source: add DelaySimulation(delay>=1) (recipe modes/delayed) "
-                "or train with strategy='async_pipe'."
-            )
+        check_applicable(self.correction, pipeline_schedule(trainer), len(_delay_sources(trainer)), self.describe())
 
 
 class ErrorFeedback(DelayCorrection):

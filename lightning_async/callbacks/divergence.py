@@ -20,7 +20,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_async.callbacks.delay import _is_pipeline
+from lightning_async.callbacks.delay import pipeline_schedule
 
 MARKER = "DIVERGED"
 LOSS, GRAD_NORM = "train/loss", "train/grad_norm"
@@ -63,7 +63,7 @@ class DivergenceGuard(Callback):
         loss = metrics.get(LOSS, _training_loss(outputs))
         if loss is not None:
             watched[LOSS] = loss
-        if GRAD_NORM in metrics and not _is_pipeline(trainer):
+        if GRAD_NORM in metrics and pipeline_schedule(trainer) is None:
             watched[GRAD_NORM] = metrics[GRAD_NORM]
         return watched
 

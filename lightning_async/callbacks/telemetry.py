@@ -12,29 +12,26 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.core.saving import save_hparams_to_yaml
 from lightning.pytorch.utilities import rank_zero_only
 
-from lightning_async.callbacks.delay import DelayCorrection, DelaySimulation, _is_pipeline
+from lightning_async.callbacks.delay import DelaySimulation, pipeline_schedule
 from lightning_async.identity import NO_CORRECTION, UNIFORM_PROFILE, RunIdentity
-from lightning_async.pipeline import schedules
 
 
 def run_identity(trainer: Trainer, pl_module: LightningModule) -> dict:
     """This run's :class:`~lightning_async.identity.RunIdentity` record (``optimizer``, ``mode``, ``ef_strength``,
     ``correction``, ``correction_strength``, ``delay``, ``delay_profile``, ``seed``, ``lr``), from the settings in
-    effect: the ``DelaySimulation``/``DelayCorrection`` callbacks, or the pipeline strategy."""
+    effect: the delay source (``DelaySimulation``, or the pipeline's schedule) and the correction its updates apply
+    (read from the runtime or the simulation's optimizer wrappers, however it was set)."""
     hparams = dict(getattr(pl_module, "hparams", {}) or {})
     sources = [cb for cb in trainer.callbacks if isinstance(cb, DelaySimulation) and cb.active]
     delay = max((cb.max_delay for cb in sources), default=0)
     profile = sources[0].profile_label() if sources else UNIFORM_PROFILE
-    corrections = [cb.correction for cb in trainer.callbacks if isinstance(cb, DelayCorrection) and cb.active]
-    if _is_pipeline(trainer):
-        strategy = trainer.strategy
-        asynchronous = schedules.spec(strategy.schedule).delayed
-        mode, delay = ("async_pipe", 1) if asynchronous else ("sync_pipe", 0)
-        built = strategy.build_correction() if asynchronous and strategy.error_feedback else None
-        corrections += [built] if built is not None else []  # AsyncPipelineStrategy(error_feedback=...) applies EF too
+    schedule = pipeline_schedule(trainer)
+    if schedule is not None:
+        mode, delay = ("async_pipe", 1) if schedule.delayed else ("sync_pipe", 0)
     else:
         mode = "delayed" if delay else "sync"
-    correction = corrections[0] if corrections and (delay or mode == "async_pipe") else None
+    corrections = live_corrections(trainer)  # what the runtime or the simulation's wrappers apply, however it was set
+    correction = corrections[0] if corrections else None
     return RunIdentity.from_mapping({  # raw values (a module's lr may be anything): read as compare reads them
         "optimizer": hparams.get("optimizer") or "custom",
         "mode": mode,

@@ -5,7 +5,7 @@ from lightning_async.optim.corrections import (
     AdaptiveErrorFeedback,
     Correction,
     DelayCompensation,
-    ErrorFeedback,
+    ErrorFeedbackCorrection,
     NesterovLookahead,
     WeightPrediction,
     build_correction,
@@ -14,16 +14,12 @@ from lightning_async.optim.delay import DelayedOptimizer, OptimizerWrapper, vali
 from lightning_async.optim.delayed_step import delayed_step
 from lightning_async.optim.zoo import OPTIMIZER_NAMES, build_optimizer
 
-#: the name of Error Feedback before the corrections became one family (kept for existing code)
-ErrorFeedbackCorrection = ErrorFeedback
-
 __all__ = [
     "AdaptiveErrorFeedback",
     "CORRECTIONS",
     "Correction",
     "DelayCompensation",
     "DelayedOptimizer",
-    "ErrorFeedback",
     "ErrorFeedbackCorrection",
     "NesterovLookahead",
     "WeightPrediction",

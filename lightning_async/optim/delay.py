@@ -30,7 +30,7 @@ import torch
 from torch.optim import Optimizer
 
 from lightning_async.optim.closure import evaluate_closure
-from lightning_async.optim.corrections import FORWARD, Correction, ErrorFeedback
+from lightning_async.optim.corrections import FORWARD, Correction, ErrorFeedbackCorrection
 from lightning_async.optim.delayed_step import delayed_step
 
 PAIRINGS = ("fifo", "2bw")
@@ -113,7 +113,7 @@ class DelayedOptimizer(OptimizerWrapper):
         optimizer: any ``torch.optim.Optimizer`` (the zoo's, or your own).
         delay: steps of staleness ``k``; 0 is plain training, bit-identical to the bare optimizer.
         error_feedback: EF strength ``lam``; applied displacement ``u + lam (u - u_prev)`` (shorthand for
-            ``correction=ErrorFeedback(lam)``).
+            ``correction=ErrorFeedbackCorrection(lam)``).
         pairing: ``"fifo"`` (gradient FIFO) or ``"2bw"`` (weight stash, exact pipeline pairing).
         extrapolate_weight_decay: whether EF extrapolates the decoupled weight decay too.
         start_step: steps before this one are plain synchronous steps (the paper's "sync start"
@@ -146,7 +146,7 @@ class DelayedOptimizer(OptimizerWrapper):
             raise ValueError("Give either error_feedback (EF strength) or correction, not both.")
         if correction is None:
             validate_delay(self.max_delay, error_feedback)
-            correction = ErrorFeedback(error_feedback, extrapolate_weight_decay)
+            correction = ErrorFeedbackCorrection(error_feedback, extrapolate_weight_decay)
         else:
             validate_delay(self.max_delay, float(correction.enabled), f"The {correction.method!r} correction")
         self.correction = correction
@@ -177,12 +177,12 @@ class DelayedOptimizer(OptimizerWrapper):
     @property
     def error_feedback(self) -> float:
         """The EF strength (0 when the correction is another method)."""
-        return self.correction.strength if isinstance(self.correction, ErrorFeedback) else 0.0
+        return self.correction.strength if isinstance(self.correction, ErrorFeedbackCorrection) else 0.0
 
     @error_feedback.setter
     def error_feedback(self, strength: float) -> None:
         validate_delay(self.max_delay, strength)
-        if not isinstance(self.correction, ErrorFeedback):
+        if not isinstance(self.correction, ErrorFeedbackCorrection):
             raise ValueError(f"This optimizer's correction is {self.correction.method!r}, not Error Feedback.")
         self.correction.strength = float(strength)
 

@@ -31,7 +31,7 @@ from torch import nn
 from torch.func import functional_call
 
 from lightning_async.optim.delayed_step import delayed_step, scheduled_values
-from lightning_async.optim.corrections import Correction
+from lightning_async.optim.corrections import Correction, check_applicable
 from lightning_async.pipeline import schedules
 from lightning_async.pipeline.boundary import flatten, rows, signature, split_rows, unflatten
 from lightning_async.pipeline.mesh import PipelineGroups
@@ -132,13 +132,7 @@ class PipelineRuntime:
         self.groups = groups or PipelineGroups()
         self.spec = schedules.spec(schedule)
         self.spec.validate(self.groups.num_stages, n_microbatches)
-        if correction is not None and correction.enabled:
-            self.spec.require_delay(f"The {correction.method!r} correction")
-        if correction is not None and correction.enabled and not correction.pipeline_supported:
-            raise ValueError(
-                f"The {correction.method!r} correction changes the weights the forward reads, which needs a third "
-                "weight version per stage; the 2BW runtime keeps two. Study it on one device (DelaySimulation)."
-            )
+        check_applicable(correction, schedule=self.spec)
         self.chunks = list(stage_module) if isinstance(stage_module, nn.ModuleList) else [stage_module]
         if len(self.chunks) != self.spec.chunks:
             raise ValueError(

@@ -10,6 +10,7 @@ internals it touches are in :mod:`~lightning_async.strategies.compat`.
 
 from __future__ import annotations
 
+import warnings
 from datetime import timedelta
 from typing import Any
 
@@ -23,8 +24,9 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
+from lightning_async.callbacks.delay import check_corrections
 from lightning_async.callbacks.divergence import DivergenceGuard
-from lightning_async.optim.corrections import Correction, ErrorFeedback, build_correction
+from lightning_async.optim.corrections import Correction, as_correction, check_applicable
 from lightning_async.pipeline import schedules
 from lightning_async.pipeline.contract import check_pipeline_contract
 from lightning_async.pipeline.mesh import PipelineMesh
@@ -75,9 +77,11 @@ class AsyncPipelineStrategy(DDPStrategy):
         pipeline_parallel_size: stages per pipeline; default: all processes (``data_parallel_size=1``).
         data_parallel_size: pipeline replicas; gradients of each stage are averaged over replicas.
         partition: ``"uniform"``, ``"parameters"``, ``"time"`` or the unit names where stages 1.. begin.
-        error_feedback: EF strength (2bw only); usually set by the ``ErrorFeedback`` callback (other corrections:
-            the ``DelayCorrection`` callback).
-        extrapolate_weight_decay: whether EF extrapolates decoupled weight decay.
+        correction: a staleness correction for the delayed schedules (``2bw``, ``2bw-split``): a method name
+            (``"ef"``), ``build_correction``'s arguments (``{"method": "ef", "strength": 0.5}``) or a ``Correction``.
+            The ``ErrorFeedback`` / ``DelayCorrection`` callbacks set the same thing (the CLI's ``error_feedback:``
+            and ``correction:`` sections); give it one way.
+        error_feedback: deprecated: ``correction={"method": "ef", "strength": error_feedback}``.
         activation_checkpointing: recompute each pipeline unit's forward in the backward, so a stage keeps only
             its units' inputs for the micro-batches in flight (less memory, about one more forward of compute).
         start_method: ``"popen"`` (re-run the script: CLI, torchrun, SLURM) or ``"spawn"`` (notebooks, tests).
@@ -98,8 +102,8 @@ class AsyncPipelineStrategy(DDPStrategy):
         pipeline_parallel_size: int | None = None,
         data_parallel_size: int | None = None,
         partition: str | list[str] = "uniform",
-        error_feedback: float = 0.0,
-        extrapolate_weight_decay: bool = True,
+        correction: str | dict | Correction | None = None,
+        error_feedback: float | None = None,
         activation_checkpointing: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta | int | None = 300,
@@ -109,15 +113,18 @@ class AsyncPipelineStrategy(DDPStrategy):
         self.schedule_spec = schedules.spec(schedule, virtual_stages)
         timeout = _checked_timeout(timeout)
         super().__init__(process_group_backend=process_group_backend, timeout=timeout, start_method=start_method, **kwargs)
-        if error_feedback:
-            self.schedule_spec.require_delay("error_feedback")
-        self.schedule = schedule
+        if error_feedback is not None:
+            warnings.warn("AsyncPipelineStrategy(error_feedback=...) is deprecated: use "
+                          "correction={'method': 'ef', 'strength': ...}.", DeprecationWarning, stacklevel=2)
+            if correction is not None:
+                raise ValueError("Give AsyncPipelineStrategy either correction= or the deprecated error_feedback=, not both.")
+            correction = {"method": "ef", "strength": float(error_feedback)} if error_feedback else None
+        check_applicable(as_correction(correction), schedule=self.schedule_spec)  # a bad name or schedule: now
+        self.correction = correction
+        self.schedule = self.schedule_spec.name
         self._n_microbatches = n_microbatches
         self._pp_size, self._dp_size = pipeline_parallel_size, data_parallel_size
         self.partition = partition
-        self.error_feedback = float(error_feedback)
-        self.extrapolate_weight_decay = extrapolate_weight_decay
-        self.correction_settings: dict | None = None  # set by a DelayCorrection callback (build_correction's kwargs)
         self.activation_checkpointing = bool(activation_checkpointing)
         self.runtime: PipelineRuntime | None = None
         self.stage_units: list[list[str]] = []
@@ -208,8 +215,6 @@ class AsyncPipelineStrategy(DDPStrategy):
 
     def validate_launch(self, trainer) -> None:
         """What the launching process checks before other ranks start: the mesh and the run's corrections."""
-        from lightning_async.callbacks.delay import check_corrections
-
         self.validate_mesh()
         check_corrections(trainer)
 
@@ -325,19 +330,25 @@ class AsyncPipelineStrategy(DDPStrategy):
         if clip and trainer.gradient_clip_algorithm not in (None, "norm"):
             raise ValueError("The pipeline strategy clips by the global norm only: set gradient_clip_algorithm='norm'.")
         return dict(
-            gradient_clip_val=clip, correction=self.build_correction(), autocast=self.precision_plugin.forward_context,
+            gradient_clip_val=clip, correction=self.make_correction(), autocast=self.precision_plugin.forward_context,
             device=self.root_device, context_fn=getattr(module, "pipeline_context", None),
             activation_checkpointing=self.activation_checkpointing,
         )
 
-    def build_correction(self) -> Correction | None:
-        """This stage's staleness correction: the callback's, else ``error_feedback`` of the constructor."""
-        if self.correction_settings is not None:
-            if self.error_feedback:
-                raise ValueError("AsyncPipelineStrategy(error_feedback=...) and a DelayCorrection callback are both set; "
-                                 "choose one correction.")
-            return build_correction(**self.correction_settings)
-        return ErrorFeedback(self.error_feedback, self.extrapolate_weight_decay) if self.error_feedback else None
+    def use_correction(self, setting) -> None:
+        """Set the run's correction (what the ``DelayCorrection`` callbacks do); refused when the constructor set
+        another one."""
+        if self.correction is not None and self.correction != setting:
+            raise ValueError(
+                f"AsyncPipelineStrategy(correction={self.correction!r}) and a correction callback ({setting!r}) are both "
+                "set; choose one."
+            )
+        check_applicable(as_correction(setting), schedule=self.schedule_spec)
+        self.correction = setting
+
+    def make_correction(self) -> Correction | None:
+        """A fresh correction object for this rank's runtime (its buffers are per stage)."""
+        return as_correction(self.correction)
 
     def _stop_on_sigterm(self, trainer) -> None:
         """SIGTERM to any rank stops the whole pipeline within seconds, with exit status 1.

@@ -11,7 +11,7 @@ from lightning_async.optim.corrections.base import FORWARD, GRADIENT, UPDATE, Co
 from lightning_async.optim.corrections.delay_compensation import DelayCompensation
 from lightning_async.optim.corrections.error_feedback import (
     AdaptiveErrorFeedback,
-    ErrorFeedback,
+    ErrorFeedbackCorrection,
     NesterovLookahead,
     UpdateCorrection,
 )
@@ -19,7 +19,7 @@ from lightning_async.optim.corrections.weight_prediction import WeightPrediction
 
 #: method name -> class (the names of ``recipes/corrections/*.yaml`` and of ``correction.method``)
 CORRECTIONS: dict[str, type[Correction]] = {
-    cls.method: cls for cls in (ErrorFeedback, AdaptiveErrorFeedback, NesterovLookahead, DelayCompensation, WeightPrediction)
+    cls.method: cls for cls in (ErrorFeedbackCorrection, AdaptiveErrorFeedback, NesterovLookahead, DelayCompensation, WeightPrediction)
 }
 NO_CORRECTION = "none"
 
@@ -45,8 +45,48 @@ def build_correction(method: str, strength: float | None = None, **options) -> C
         raise ValueError(f"Correction {method!r}: {err}. Its options are: {', '.join(valid)}.") from None
 
 
+def as_correction(setting) -> Correction | None:
+    """A correction from any of the ways to name one: ``None``, a method name (``"ef"``), ``build_correction``'s
+    keyword arguments (``{"method": "ef", "strength": 0.5}``) or a :class:`Correction`."""
+    if setting is None or isinstance(setting, Correction):
+        return setting
+    if isinstance(setting, str):
+        return build_correction(setting)
+    if isinstance(setting, dict):
+        return build_correction(**setting)
+    raise ValueError(
+        f"A correction is a method name ({', '.join(CORRECTIONS)}), a dict of build_correction arguments or a "
+        f"Correction, got {type(setting).__name__}."
+    )
+
+
+def check_applicable(correction: Correction | None, schedule=None, delay_sources: int = 0, name: str | None = None) -> None:
+    """Raise ``ValueError``, naming the fix, when ``correction`` cannot apply to the run: the one check every
+    entry point calls (the callbacks, the strategy before any rank starts, the pipeline runtime).
+
+    ``schedule``: the pipeline's schedule spec (``None`` off a pipeline); ``delay_sources``: the delay simulations
+    of a single-device run; ``name``: what the user set (a callback's name) for the message without a delay source.
+    """
+    if correction is None or not correction.enabled:
+        return
+    method = correction.method
+    if schedule is not None:
+        schedule.require_delay(f"The {method!r} correction")
+        if not correction.pipeline_supported:
+            raise ValueError(
+                f"The {method!r} correction changes the weights the forward reads; the 2BW pipeline keeps two "
+                "weight versions per stage and cannot. Study it on one device with DelaySimulation "
+                f"(recipes modes/delayed + corrections/{method})."
+            )
+    elif delay_sources == 0:
+        raise ValueError(
+            f"{name or f'The {method!r} correction'} needs a delay source: add DelaySimulation(delay>=1) (recipe modes/delayed) "
+            "or train with strategy='async_pipe'."
+        )
+
+
 __all__ = [
-    "AdaptiveErrorFeedback", "CORRECTIONS", "Correction", "DelayCompensation", "ErrorFeedback", "FORWARD", "GRADIENT",
+    "AdaptiveErrorFeedback", "CORRECTIONS", "Correction", "DelayCompensation", "ErrorFeedbackCorrection", "FORWARD", "GRADIENT",
     "NO_CORRECTION", "NesterovLookahead", "ParameterBuffers", "UPDATE", "UpdateCorrection", "WeightPrediction",
-    "build_correction",
+    "as_correction", "build_correction", "check_applicable",
 ]

@@ -59,7 +59,7 @@ class UpdateCorrection(Correction):
         return {**super().state_dict(params), "extrapolate_weight_decay": self.extrapolate_weight_decay}
 
 
-class ErrorFeedback(UpdateCorrection):
+class ErrorFeedbackCorrection(UpdateCorrection):
     """``x <- x - u - strength (u - u_prev)``: one buffer the size of the parameters (``u_prev``, zero at first)."""
 
     method = "ef"
