@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import lzma
 import random
@@ -364,6 +365,86 @@ def test_cache_key_changes_with_tokenizer_identity(tmp_path):
     a = TokenCache(tmp_path, "x", {"tokenizer": {"kind": "byte"}})
     b = TokenCache(tmp_path, "x", {"tokenizer": {"kind": "tokenizer.json", "sha256": "0"}})
     assert a.bin != b.bin and a.problem() == "no metadata"
+
+
+# The cache files and the trained BPE's file as the data module named them when it compared source names
+# (commit 488f101, before lightning_async/data/kinds.py): the same arguments must find the files written then.
+BYTE_IDENTITY = {"kind": "byte", "version": 1}
+
+
+def sha20(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def old_cache_file(cache_dir: Path, source: str, split: str, fingerprint, tokenizer, max_tokens, max_chars) -> Path:
+    identity = {"format": 1, "split": split, "source": fingerprint, "tokenizer": tokenizer,
+                "max_tokens": max_tokens, "max_chars": max_chars, "dtype": "uint16"}
+    return cache_dir / "tokens" / f"{source}-{split}-{sha20(json.loads(json.dumps(identity, default=str)))}.bin"
+
+
+def files_fingerprint(*paths: Path) -> list:
+    return [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in paths]
+
+
+def json_identity(path: Path) -> dict:
+    from tokenizers import Tokenizer
+
+    return {"kind": "tokenizer.json", "sha256": hashlib.sha256(Tokenizer.from_file(str(path)).to_str().encode()).hexdigest()}
+
+
+def cache_files(dm: TextDataModule) -> dict[str, Path]:
+    dm.prepare_data()
+    return {split: Path(segments[0].path) for split in ("train", "val") if (segments := dm._segments(split))}
+
+
+def stdlib_fingerprint(split: str, every: int) -> dict:  # every = max(2, round(1 / val_fraction))
+    return StdlibCorpus(split, every).fingerprint()
+
+
+def test_every_source_finds_the_cache_files_of_before(tmp_path, text_file):
+    cache = tmp_path / "cache"
+    val_file = tmp_path / "val.txt"
+    val_file.write_text(make_text(800, seed=3))
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": make_text(60, seed=i)}) + "\n" for i in range(30)))
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    train_bpe([make_text(2000, seed=4)], vocab_size=300).save(str(tok_dir / "tokenizer.json"))
+    text_print = {"kind": "files", "files": files_fingerprint(text_file)}
+    hf_files = {"train": files_fingerprint(jsonl), "validation": files_fingerprint(jsonl)}
+
+    def hf(split: str) -> dict:
+        return {"kind": "hf", "dataset": "json", "config": None, "split": split, "data_files": hf_files, "text_field": "text"}
+
+    # (arguments, {split: (fingerprint, tokenizer identity, max_tokens, max_chars)})
+    cases = [
+        (dict(source="stdlib", val_batches=1), {  # the default cap of 4,000,000 characters
+            "train": (stdlib_fingerprint("train", 20), BYTE_IDENTITY, None, 4_000_000),
+            "val": (stdlib_fingerprint("val", 20), BYTE_IDENTITY, 1 * 4 * 16, None)}),
+        (dict(source="stdlib", max_chars=30_000, val_batches=1), {
+            "train": (stdlib_fingerprint("train", 20), BYTE_IDENTITY, None, 30_000),
+            "val": (stdlib_fingerprint("val", 20), BYTE_IDENTITY, 1 * 4 * 16, None)}),
+        (dict(source="stdlib", max_tokens=20_000, val_fraction=0.1, val_batches=1), {
+            "train": (stdlib_fingerprint("train", 10), BYTE_IDENTITY, 20_000, None),
+            "val": (stdlib_fingerprint("val", 10), BYTE_IDENTITY, 1 * 4 * 16, None)}),
+        (dict(source="text", path=str(text_file), val_path=str(val_file), val_batches=2), {
+            "train": (text_print, BYTE_IDENTITY, None, None),
+            "val": ({"kind": "files", "files": files_fingerprint(val_file)}, BYTE_IDENTITY, 2 * 4 * 16, None)}),
+        (dict(source="text", path=str(text_file), tokenizer="hf", tokenizer_path=str(tok_dir), max_tokens=5000), {
+            "train": (text_print, json_identity(tok_dir / "tokenizer.json"), 5000, None)}),
+        (dict(source="hf", dataset="json", data_files={"train": str(jsonl), "validation": str(jsonl)}, val_split="validation"), {
+            "train": (hf("train"), BYTE_IDENTITY, None, None),
+            "val": (hf("validation"), BYTE_IDENTITY, None, None)}),
+    ]
+    for kwargs, expected in cases:
+        found = cache_files(module(tmp_path, seq_len=15, batch_size=4, **kwargs))
+        assert found == {split: old_cache_file(cache, kwargs["source"], split, *identity) for split, identity in expected.items()}, kwargs
+
+    # the BPE trained on the first max_chars characters: its file, then the cache tokenized with it
+    bpe = module(tmp_path, source="text", path=str(text_file), tokenizer="bpe", bpe_vocab_size=300, max_chars=50_000)
+    bpe_file = cache / "tokenizers" / f"bpe300-{sha20({'bpe': 1, 'vocab_size': 300, 'train_chars': 50_000, 'corpus': text_print})}.json"
+    assert cache_files(bpe) == {"train": old_cache_file(cache, "text", "train", text_print, json_identity(bpe_file), None, 50_000)}
+    assert Path(bpe.tokenizer.source) == bpe_file
 
 
 def test_trainer_fit_and_replica_check(tmp_path, text_file):

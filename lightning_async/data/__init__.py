@@ -1,8 +1,9 @@
 """The data layer: corpora, tokenizers, the token cache and :class:`TextDataModule` (see ``docs/data.md``)."""
 
-from lightning_async.data.datamodule import SOURCES, TextDataModule
+from lightning_async.data.datamodule import TextDataModule
 from lightning_async.data.errors import DataConfigError, DataFileNotFoundError, EmptyCorpusError, NotEnoughDataError
-from lightning_async.data.tokenizer import TOKENIZERS, ByteTokenizer, HFTokenizer, load_tokenizer, train_bpe
+from lightning_async.data.kinds import SOURCES, TOKENIZERS
+from lightning_async.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, train_bpe
 
 __all__ = [
     "SOURCES",

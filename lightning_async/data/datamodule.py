@@ -4,7 +4,8 @@
 memory-maps it and cuts it into windows. The training loader draws through a ``ResumableShuffleSampler``
 (a ``DistributedSampler``: shuffled per epoch from ``(seed, epoch)``, sharded over data-parallel replicas,
 resumed mid-epoch from the trainer's loop state, :mod:`~lightning_async.data.sampler`); the evaluation
-loaders are plain, ordered ``DataLoader``s. See ``docs/data.md``.
+loaders are plain, ordered ``DataLoader``s. What differs between the values of ``source`` and ``tokenizer``
+is asked of their objects (:mod:`~lightning_async.data.kinds`). See ``docs/data.md``.
 """
 
 from __future__ import annotations
@@ -15,31 +16,17 @@ from typing import Any
 import numpy as np
 import torch
 from lightning.pytorch import LightningDataModule
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 
 from lightning_async.data.cache import CACHE_FORMAT, TokenCache, dtype_for_vocab
-from lightning_async.data.errors import DataConfigError, NotEnoughDataError, choices
-from lightning_async.data.shards import check_dtype, max_token_id, shard_segment
+from lightning_async.data.errors import DataConfigError, NotEnoughDataError
+from lightning_async.data.kinds import DATA_SOURCES, TOKENIZER_KINDS, DataSource, TokenizerKind, named
+from lightning_async.data.shards import check_dtype
 from lightning_async.data.sampler import ResumableDataLoader, ResumableShuffleSampler, trainer_position
-from lightning_async.data.sources import Corpus, FileCorpus, HFCorpus, StdlibCorpus, capped, check_data_files, resolve_paths
-from lightning_async.data.tokenizer import (
-    ByteTokenizer,
-    bpe_for_corpus,
-    check_tokenizer_name,
-    encode_pieces,
-    load_tokenizer,
-    tokenizer_json_path,
-)
+from lightning_async.data.sources import Corpus, capped
+from lightning_async.data.tokenizer import encode_pieces
 from lightning_async.data.windows import Segment, TokenWindows, heldout_windows
-
-SOURCES = ("stdlib", "text", "hf", "tokens")
-
-#: ``datasets`` builders that read local ``data_files`` (no warning about streaming a whole hub dataset)
-LOCAL_BUILDERS = ("json", "text", "csv", "parquet", "arrow")
-
-#: characters of the standard library read when neither ``max_chars`` nor ``max_tokens`` is set
-STDLIB_DEFAULT_MAX_CHARS = 4_000_000
 
 
 def _positive(name: str, value: int | None, allow_none: bool = True, minimum: int = 1) -> None:
@@ -129,18 +116,20 @@ class TextDataModule(LightningDataModule):
 
         self._tokenizer = None
         self._vocab_size: int | None = None
-        self._train_files = self._val_files = None
         self.train_dataset: TokenWindows | None = None
         self.val_dataset: TokenWindows | None = None
         #: per split, what ``prepare_data``/``setup`` did with the cache: built, reused or rebuilt (why)
         self.cache_status: dict[str, str] = {}
+        #: the objects behind ``tokenizer`` and ``source`` (:mod:`~lightning_async.data.kinds`), built from the arguments
+        self.tokenizer_kind: TokenizerKind
+        self.data_source: DataSource
         self._check_arguments()
 
     # ---- arguments -------------------------------------------------------------------------------
     def _check_arguments(self) -> None:
-        if self.source not in SOURCES:
-            raise DataConfigError(f"unknown data source {self.source!r}; valid sources are {choices(SOURCES)}.")
-        check_tokenizer_name(self.tokenizer_name)
+        """Check every argument and build :attr:`tokenizer_kind` and :attr:`data_source` (errors before any rank starts)."""
+        source_class = named(DATA_SOURCES, self.source, "data source", "sources")
+        tokenizer_class = named(TOKENIZER_KINDS, self.tokenizer_name, "tokenizer", "tokenizers")
         _positive("seq_len", self.seq_len, allow_none=False)
         _positive("batch_size", self.batch_size, allow_none=False)
         _positive("val_batches", self.val_batches)
@@ -153,70 +142,26 @@ class TextDataModule(LightningDataModule):
         if not 0.0 < float(self.val_fraction) < 1.0:
             raise DataConfigError(f"`val_fraction` must be between 0 and 1 (exclusive), got {self.val_fraction!r}.")
         check_dtype(self.dtype)
-        if self.tokenizer_name == "hf":
-            if not self.tokenizer_path:
-                raise DataConfigError(
-                    "tokenizer 'hf' needs `tokenizer_path`: a tokenizer.json file or a directory that holds one."
-                )
-            tokenizer_json_path(self.tokenizer_path)
-        if self.source in ("text", "tokens"):
-            if not self.path:
-                what = "text files" if self.source == "text" else ".bin token shards"
-                raise DataConfigError(f"source {self.source!r} needs `path`: a file, a directory or a glob of {what}.")
-            self._train_files = resolve_paths(self.path, "path")
-            if self.val_path:
-                self._val_files = resolve_paths(self.val_path, "val_path")
-        if self.source == "hf":
-            if not self.dataset:
-                raise DataConfigError(
-                    "source 'hf' needs `dataset`: a Hugging Face dataset name (e.g. HuggingFaceFW/fineweb-edu) "
-                    "or a builder such as 'json'/'text' with `data_files`."
-                )
-            check_data_files(self.data_files)
-            if self.max_tokens is None and self.dataset not in LOCAL_BUILDERS and not os.path.exists(self.dataset):
-                rank_zero_warn(
-                    f"source 'hf' streams all of {self.dataset!r} into the cache; set `max_tokens` to stop earlier."
-                )
-        if self.source == "tokens" and self.tokenizer_name == "bpe":
-            raise DataConfigError(
-                "tokenizer 'bpe' is trained on text and cannot describe pre-tokenized shards; use tokenizer 'hf' with "
-                "the `tokenizer_path` that made them, or set `token_vocab_size`."
-            )
+        self.tokenizer_kind = tokenizer_class.from_settings(self)
+        self.tokenizer_kind.check()
+        self.data_source = source_class.from_settings(self)  # reads tokenizer_kind
+        self.data_source.check()
 
     # ---- tokenizer ---------------------------------------------------------------------------------
     @property
     def tokenizer(self):
         """The tokenizer object (``encode``/``decode``/``vocab_size``/``eod_id``); BPE trains on first use."""
         if self._tokenizer is None:
-            if self.tokenizer_name == "hf":
-                self._tokenizer = load_tokenizer(self.tokenizer_path)
-            elif self.tokenizer_name == "bpe":
-                chars = self.bpe_train_chars
-                cap = self._train_char_cap()
-                if cap is not None:
-                    chars = cap if chars is None else min(chars, cap)
-                self._tokenizer = bpe_for_corpus(
-                    self._corpus("train"), self.bpe_vocab_size, chars, self.cache_dir, progress=self.progress
-                )
-            else:
-                self._tokenizer = ByteTokenizer()
+            self._tokenizer = self.tokenizer_kind.make(lambda: self.data_source.corpus("train"), self._train_char_cap())
         return self._tokenizer
 
     @property
     def vocab_size(self) -> int:
         """Vocabulary size for the model's embedding (valid right after ``__init__``)."""
         if self._vocab_size is None:
-            if self.source == "tokens" and self.token_vocab_size is None and self.tokenizer_name != "hf":
-                segments = self._segments("train") + (self._segments("val") or [])
-                self._vocab_size = max_token_id(segments) + 1
-            else:
-                natural = self.tokenizer.vocab_size
-                if self.token_vocab_size is not None and self.token_vocab_size < natural and self.source != "tokens":
-                    raise DataConfigError(
-                        f"`token_vocab_size` = {self.token_vocab_size} is smaller than the {self.tokenizer_name!r} "
-                        f"tokenizer's vocabulary ({natural}); raise it or leave it unset."
-                    )
-                self._vocab_size = self.token_vocab_size or natural
+            self._vocab_size = self.data_source.vocab_size(
+                lambda: self.tokenizer, lambda: self._segments("train") + (self._segments("val") or [])
+            )
         return self._vocab_size
 
     def encode(self, text: str) -> list[int]:
@@ -227,31 +172,14 @@ class TextDataModule(LightningDataModule):
             ids = ids.tolist()
         return self.tokenizer.decode(ids)
 
-    # ---- corpora and caches ------------------------------------------------------------------------
-    def _val_every(self) -> int:
-        return max(2, round(1 / float(self.val_fraction)))
-
+    # ---- caches ------------------------------------------------------------------------------------
     def _train_char_cap(self) -> int | None:
-        if self.max_chars is None and self.max_tokens is None and self.source == "stdlib":
-            return STDLIB_DEFAULT_MAX_CHARS
+        if self.max_chars is None and self.max_tokens is None:
+            return self.data_source.default_max_chars
         return self.max_chars
 
     def _val_token_cap(self) -> int | None:
         return None if self.val_batches is None else self.val_batches * self.batch_size * (self.seq_len + 1)
-
-    def _corpus(self, split: str) -> Corpus | None:
-        """The text corpus of ``split`` (``None``: validation is held out of the training windows)."""
-        if self.source == "stdlib":
-            return StdlibCorpus(split, self._val_every())
-        if self.source == "text":
-            files = self._train_files if split == "train" else self._val_files
-            return FileCorpus(files) if files else None
-        if self.source == "hf":
-            name = self.split if split == "train" else self.val_split
-            if name is None:
-                return None
-            return HFCorpus(self.dataset, self.dataset_config, name, self.data_files, self.text_field)
-        return None
 
     def _cache(self, split: str, corpus: Corpus) -> tuple[TokenCache, dict[str, Any]]:
         tok = self.tokenizer
@@ -267,7 +195,7 @@ class TextDataModule(LightningDataModule):
             "max_chars": max_chars,
             "dtype": dtype,
         }
-        cache = TokenCache(self.cache_dir, f"{self.source}-{split}", identity)
+        cache = TokenCache(self.cache_dir, f"{self.data_source.name}-{split}", identity)
 
         def chunks():
             return encode_pieces(capped(corpus.pieces(), max_chars), tok)
@@ -283,13 +211,11 @@ class TextDataModule(LightningDataModule):
         return cache, kwargs
 
     def _segments(self, split: str, verify_checksum: bool = False) -> list[Segment] | None:
-        """The token files of ``split``, building the cache if needed (``None``: held out of train)."""
-        if self.source == "tokens":
-            files = self._train_files if split == "train" else self._val_files
-            return [shard_segment(f, self.dtype) for f in files] if files else None
-        corpus = self._corpus(split)
-        if corpus is None:
-            return None
+        """The token files of ``split`` (``None``: held out of train): the source's own, or the cache of its text."""
+        return self.data_source.segments(split, lambda corpus: self._cached(split, corpus, verify_checksum))
+
+    def _cached(self, split: str, corpus: Corpus, verify_checksum: bool) -> list[Segment]:
+        """The cache file of ``corpus`` as the tokens of ``split``, built or rebuilt if needed."""
         cache, kwargs = self._cache(split, corpus)
         status = cache.ensure(verify_checksum=verify_checksum, **kwargs)
         if status != "reused" or split not in self.cache_status:
@@ -302,12 +228,7 @@ class TextDataModule(LightningDataModule):
     # ---- LightningDataModule hooks -----------------------------------------------------------------
     def prepare_data(self) -> None:
         """Tokenize every split into the cache (or verify and reuse it). Runs in one process per node."""
-        if self.source == "tokens":
-            self._segments("train")
-            self._segments("val")
-            return
         self.cache_status = {}
-        _ = self.tokenizer
         for split in ("train", "val"):
             self._segments(split, verify_checksum=True)
 
@@ -316,7 +237,7 @@ class TextDataModule(LightningDataModule):
         window = self.seq_len + 1
         train_segments = self._segments("train")
         val_segments = self._segments("val")
-        self._check_token_ids(train_segments + (val_segments or []))
+        self.data_source.check_token_ids(train_segments + (val_segments or []), lambda: self.vocab_size)
         total = sum(s.num_tokens for s in train_segments)
         if total < window or TokenWindows(train_segments, self.seq_len).total_windows == 0:
             raise NotEnoughDataError(
@@ -335,7 +256,7 @@ class TextDataModule(LightningDataModule):
                 self._raise_too_few_windows(name, windows, tokens, replicas, longest)
         self.train_dataset, self.val_dataset = train, val
         rank_zero_info(
-            f"data: {self.source}/{self.tokenizer.name if self.source != 'tokens' else 'tokens'}: "
+            f"data: {self.data_source.label()}: "
             f"{len(train):,} training and {len(val):,} validation windows of {window} tokens"
         )
 
@@ -343,9 +264,7 @@ class TextDataModule(LightningDataModule):
         self, train_segments: list[Segment], val_segments: list[Segment] | None, seq_len: int
     ) -> tuple[TokenWindows, TokenWindows]:
         """Training and validation windows of ``seq_len + 1`` (held out of training when no val data)."""
-        train = TokenWindows(train_segments, seq_len)
-        if self.source == "tokens" and self.max_tokens is not None:
-            train = train.subset(np.arange(min(train.total_windows, max(1, self.max_tokens // (seq_len + 1)))))
+        train = self.data_source.cap_training(TokenWindows(train_segments, seq_len))
         if val_segments is None:
             train_idx, val_idx = heldout_windows(len(train), self.val_fraction)
             base = np.arange(len(train)) if train.indices is None else train.indices
@@ -448,16 +367,6 @@ class TextDataModule(LightningDataModule):
             f"{self.seq_len + 1}: fewer than one batch ({per}). Lower {lower_seq} or `batch_size` "
             f"(to at most {max(len(windows) // replicas, 1)}), or {fix}."
         )
-
-    def _check_token_ids(self, segments: list[Segment]) -> None:
-        if self.source != "tokens" or (self.token_vocab_size is None and self.tokenizer_name != "hf"):
-            return  # not tokens, or the vocabulary was inferred from the largest id
-        largest = max_token_id(segments)
-        if largest >= self.vocab_size:
-            raise DataConfigError(
-                f"the token shards hold id {largest}, outside the vocabulary of size {self.vocab_size}; "
-                "set `token_vocab_size` (or the `hf` tokenizer) to the one that made the shards."
-            )
 
     def __repr__(self) -> str:  # short, for logs
         return f"{type(self).__name__}(source={self.source!r}, tokenizer={self.tokenizer_name!r}, seq_len={self.seq_len})"

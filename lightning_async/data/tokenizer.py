@@ -17,10 +17,8 @@ from typing import Any
 import numpy as np
 
 from lightning_async.data.cache import atomic_write_text, file_lock
-from lightning_async.data.errors import DataConfigError, DataFileNotFoundError, EmptyCorpusError, choices
+from lightning_async.data.errors import DataConfigError, DataFileNotFoundError, EmptyCorpusError
 from lightning_async.data.sources import Corpus, Piece, capped, digest
-
-TOKENIZERS = ("byte", "bpe", "hf")
 
 #: the BPE's end-of-document token, and the names looked for in a loaded tokenizer
 EOD_TOKEN = "<|endoftext|>"
@@ -178,11 +176,6 @@ def bpe_for_corpus(
     tok = HFTokenizer(trained, name="bpe", eod_token=EOD_TOKEN, source=str(file))
     tok.status = "trained"
     return tok
-
-
-def check_tokenizer_name(name: str) -> None:
-    if name not in TOKENIZERS:
-        raise DataConfigError(f"unknown tokenizer {name!r}; valid tokenizers are {choices(TOKENIZERS)}.")
 
 
 def encode_pieces(pieces: Iterable[Piece], tokenizer, batch_chars: int = ENCODE_BATCH_CHARS) -> Iterator[np.ndarray]:
