@@ -5,8 +5,8 @@ seed: a seed fixes the initialisation and the data order, so the runs of one see
 mode, and differences taken within a seed cancel the seed's own luck.
 
 * :func:`mean_interval`: the two-sided Student t interval of a mean, ``mean +- t(1 - alpha/2, n - 1) sd / sqrt(n)``.
-  With three seeds the 95% interval is 4.30 standard errors wide on each side (two standard errors are only a
-  77% interval).
+  With three seeds the 95% interval is 4.30 standard errors wide on each side (two standard errors are only an
+  82% interval).
 * :func:`ratio_interval`: Fieller's interval for ``mean(a) / mean(b)`` from paired values (the share of a gap a
   correction recovers: ``a = async - corrected``, ``b = async - sync`` per seed). It is bounded exactly when the
   denominator's own t interval excludes zero; otherwise every share is consistent with the data and the interval

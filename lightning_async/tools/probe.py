@@ -74,7 +74,8 @@ def recommendation(rec: Recommendation | None) -> str:
     if rec.vs_none.mean >= 0:
         head = f"Recommendation: no correction: the best one tried, {rec.best}, does not lower the final loss"
     else:
-        head = f"No significant difference: the best correction tried, {rec.best}, is not significantly better"
+        head = (f"No significant difference: the best correction tried, {rec.best}, does not end lower than both no "
+                "correction and the runner-up at 95%")
     if rec.vs_none.interval is None:
         need = "one seed gives no interval; rerun with --seeds 3 (or more) to tell the corrections apart"
     else:
