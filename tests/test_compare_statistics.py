@@ -222,3 +222,19 @@ def test_compare_modules_import_one_way():
 
     circles = sorted(name for name in edges if reaches(name, name, {name}))
     assert circles == [], f"import circle among compare modules: {circles}"
+
+
+def test_compare_prints_and_reports_which_correction(tmp_path, capsys):
+    from lightning_async.compare import compare_main
+    from lightning_async.compare.synthetic import write_fake_run
+
+    finals = {"sync": SYNC, "async": ASYNC, "ef": [2.11, 2.20, 2.16], "nesterov": [2.31, 2.38, 2.36]}
+    for name, values in finals.items():
+        kwargs = {"sync": dict(mode="sync"), "async": dict(mode="delayed")}.get(name, dict(mode="delayed", correction=name))
+        for seed, value in enumerate(values):
+            write_fake_run(tmp_path / "runs" / f"{name}-s{seed}", seed=seed, val_loss={10: value}, **kwargs)
+    assert compare_main([str(tmp_path / "runs"), "--output", str(tmp_path / "out"), "--no-plots"]) == 0
+    out = capsys.readouterr().out
+    assert "== which correction (paired by seed) ==\nadamw: Recommendation: ef: its final loss differs by" in out
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "## Which correction (paired by seed)" in report and "against the runner-up, nesterov" in report

@@ -38,7 +38,7 @@ from lightning_async.compare.events import (
 )
 from lightning_async.compare.paper import PAPER_REFERENCE, PAPER_RESULTS, PaperResult
 from lightning_async.compare.ranking import BestCorrection, Recommendation, best_corrections, recommend
-from lightning_async.compare.render import render_tables, write_markdown
+from lightning_async.compare.render import correction_verdicts, render_tables, write_markdown
 from lightning_async.compare.rows import GAP_TOLERANCE, Row, build_rows, check_comparable
 from lightning_async.compare.selection import select_runs
 from lightning_async.compare.statistics import Interval, Stat
@@ -183,6 +183,9 @@ def compare_main(argv: list[str] | None = None) -> int:
         return 2
     print(f"{len(result.runs)} runs\n")
     print(result.table(paper=args.paper))
+    verdicts = correction_verdicts(result.rows)
+    if verdicts:
+        print("\n== which correction (paired by seed) ==\n" + "\n".join(verdicts))
     if result.report is not None:
         print(f"\nreport: {result.report}")
         for path in result.plots:

@@ -98,6 +98,35 @@ class Recommendation:
     def significant(self) -> bool:
         return self.vs_none.significant and (self.vs_runner_up is None or self.vs_runner_up.significant)
 
+    def share_text(self) -> str:
+        """``it recovers 88% (95% CI 66% to 106%, n=3) of the gap`` (or why the share is n/a)."""
+        if self.share is None:
+            return "its share of the gap is n/a (no gap told apart from seed noise)"
+        interval = self.share_interval
+        bounds = f" ({interval.scaled(100).describe('{:.0f}', '%')})" if interval else f" (n={self.share_n}, no interval)"
+        return f"it recovers {100 * self.share:.0f}%{bounds} of the gap"
+
+    def describe(self, how: str | None = None) -> str:
+        """The verdict in one paragraph: "Recommendation: <c>" only when :attr:`significant` (``how``: how to turn it
+        on, appended in brackets), else "No significant difference" (or "no correction" when the best one does not
+        lower the loss), always with the paired differences and their intervals."""
+        versus = f"{self.vs_none.describe()} against no correction"
+        if self.vs_runner_up is not None:
+            versus += f" and {self.vs_runner_up.describe()} against the runner-up, {self.runner_up}"
+        if self.significant:
+            return (f"Recommendation: {self.best}: its final loss differs by {versus}, both below zero at 95%; "
+                    f"{self.share_text()}" + (f" ({how})." if how else "."))
+        if self.vs_none.mean >= 0:
+            head = f"Recommendation: no correction: the best one tried, {self.best}, does not lower the final loss"
+        else:
+            head = (f"No significant difference: the best correction tried, {self.best}, does not end lower than both "
+                    "no correction and the runner-up at 95%")
+        if self.vs_none.interval is None:
+            need = "one seed gives no interval; rerun with --seeds 3 (or more) to tell the corrections apart"
+        else:
+            need = "a recommendation needs both intervals below zero; more seeds narrow them"
+        return f"{head} (final loss {versus}; {self.share_text()}); {need}."
+
 
 def _comparison(row: Row, category: str, baseline: str, level: float) -> Comparison | None:
     found = row.difference(category, baseline, level)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from lightning_async.compare.events import ASYNC, SYNC, Run
+from lightning_async.compare.ranking import recommend
 from lightning_async.compare.paper import NEWS, PAPER_BY_OPTIMIZER, PAPER_RESULTS, PAPER_SUMMARY, SOURCES, PaperResult
 from lightning_async.compare.rows import GAP_TOLERANCE, Row, format_setting
 from lightning_async.compare.statistics import LEVEL, Interval, Stat
@@ -192,6 +193,14 @@ def render_tables(rows: list[Row], *, paper: bool = False, markdown: bool = Fals
     return "\n\n".join(blocks)
 
 
+# ---- which correction ----------------------------------------------------------------------------------
+def correction_verdicts(rows: list[Row]) -> list[str]:
+    """Per optimizer with corrected runs: the best correction against no correction and the runner-up, paired by
+    seed (:func:`~lightning_async.compare.ranking.recommend`); "Recommendation" only when both differences are
+    below zero at 95%."""
+    return [f"{optimizer}: {rec.describe()}" for optimizer, rec in recommend(rows).items()]
+
+
 # ---- the run list and report.md -------------------------------------------------------------------------
 def _correction_cell(run: Run) -> str:
     ident = run.identity
@@ -253,6 +262,9 @@ def write_markdown(
     corrected = [correction_category(c) for c in _columns(rows)]
     lines = [f"# Sync vs async vs {' vs '.join(corrected)}", "", explanation(rows), "",
              render_tables(rows, paper=paper, markdown=True), ""]
+    verdicts = correction_verdicts(rows)
+    if verdicts:
+        lines += ["## Which correction (paired by seed)", ""] + [f"- {v}" for v in verdicts] + [""]
     if warnings:
         lines += ["## Warnings", ""] + [f"- {w}" for w in warnings] + [""]
     if plots:

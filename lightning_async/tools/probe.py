@@ -52,35 +52,13 @@ def _where(correction: str) -> str:
     return f"{simulation}, or under the pipeline `--config pipeline/async --config corrections/{correction}`"
 
 
-def _share_text(rec: Recommendation) -> str:
-    if rec.share is None:
-        return "its share of the gap is n/a (no gap told apart from seed noise)"
-    interval = rec.share_interval
-    bounds = f" ({interval.scaled(100).describe('{:.0f}', '%')})" if interval else f" (n={rec.share_n}, no interval)"
-    return f"it recovers {100 * rec.share:.0f}%{bounds} of the gap"
-
-
 def recommendation(rec: Recommendation | None) -> str:
     """One paragraph: the correction to use, only when it ends lower than both no correction and the runner-up at
-    95% (seeds paired); otherwise "no significant difference", with the numbers that say why."""
+    95% (seeds paired), with how to turn it on; otherwise "no significant difference", with the numbers that say
+    why (:meth:`~lightning_async.compare.ranking.Recommendation.describe`)."""
     if rec is None:
         return "No correction could be ranked (a mode is missing: no corrected run paired with a delayed run)."
-    versus = f"{rec.vs_none.describe()} against no correction"
-    if rec.vs_runner_up is not None:
-        versus += f" and {rec.vs_runner_up.describe()} against the runner-up, {rec.runner_up}"
-    if rec.significant:
-        return (f"Recommendation: {rec.best}: its final loss differs by {versus}, both below zero at 95%; "
-                f"{_share_text(rec)} ({_where(rec.best)}).")
-    if rec.vs_none.mean >= 0:
-        head = f"Recommendation: no correction: the best one tried, {rec.best}, does not lower the final loss"
-    else:
-        head = (f"No significant difference: the best correction tried, {rec.best}, does not end lower than both no "
-                "correction and the runner-up at 95%")
-    if rec.vs_none.interval is None:
-        need = "one seed gives no interval; rerun with --seeds 3 (or more) to tell the corrections apart"
-    else:
-        need = "a recommendation needs both intervals below zero; more seeds narrow them"
-    return f"{head} (final loss {versus}; {_share_text(rec)}); {need}."
+    return rec.describe(_where(rec.best) if rec.significant else None)
 
 
 @dataclass
