@@ -132,6 +132,13 @@ def test_share_uses_only_the_seeds_that_ran_all_three_modes():
     assert row.recovered_by("ef") == pytest.approx((0.2 + 0.3) / (0.4 + 0.6))
 
 
+def test_gap_is_paired_when_modes_ran_different_seeds():
+    # seed 2 has no async run: the gap is over seeds 0 and 1 only (0.30 and 0.32), not mean(async) - mean(sync)
+    (row,) = build_rows(_runs({"sync": [1.60, 1.62, 1.90], "async": [1.90, 1.94]}))
+    assert row.gap == pytest.approx(0.31) and row.gap_seeds.n == 2
+    assert fmt_gap(row).endswith("n=2)")
+
+
 # ---- probe's recommendation --------------------------------------------------------------------------------
 SYNC, ASYNC = [2.00, 2.10, 2.05], [2.40, 2.50, 2.45]
 

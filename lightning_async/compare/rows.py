@@ -158,10 +158,12 @@ class Row:
 
     @property
     def gap(self) -> float | None:
-        """mean(async) - mean(sync), or None when a mode is missing."""
+        """The mean of the per-seed gaps ``async - sync`` over the seeds that ran both (the difference of the two
+        means when no seed ran both), or None when a mode is missing."""
         if self.sync is None or self.async_ is None:
             return None
-        return self.async_.mean - self.sync.mean
+        seeds = self.gap_seeds
+        return seeds.mean if seeds is not None else self.async_.mean - self.sync.mean
 
     @property
     def gap_pct(self) -> float | None:
