@@ -20,7 +20,8 @@ from lightning_async.compare import (
     load_run,
     load_runs,
 )
-from lightning_async.compare.report import HEADERS, PAPER_REFERENCE, fmt_recovered, table_cells, table_headers
+from lightning_async.compare.paper import PAPER_REFERENCE
+from lightning_async.compare.render import HEADERS, fmt_recovered, table_cells, table_headers
 from lightning_async.compare.synthetic import write_fake_run
 
 # final val losses: optimizer -> seed -> (sync, async, async+EF)
@@ -231,11 +232,11 @@ def test_a_gap_within_seed_noise_gets_no_recovered_share(tmp_path):
     rows = {r.optimizer: r for r in compare([tmp_path]).rows}
     lion, adamw = rows["lion"], rows["adamw"]
     assert lion.gap == pytest.approx(0.01, abs=1e-6) and lion.gap_within_noise
-    assert lion.recovered is None and fmt_recovered(lion) == "n/a (gap within seed noise)"
+    assert lion.recovered is None and fmt_recovered(lion).startswith("n/a (gap within seed noise: 95% CI -0.2")
     assert lion.recovered_seeds.n == 2  # seed 1's gap is negative: its "share" is left out
     assert not adamw.gap_within_noise
     assert adamw.recovered == pytest.approx((1.89 - 1.7233333) / (1.89 - 1.61), abs=1e-6)
-    assert fmt_recovered(adamw).startswith("60% ± ")
+    assert fmt_recovered(adamw).startswith("60% (95% CI ") and fmt_recovered(adamw).endswith(", n=3)")
 
 
 def test_groups_by_lr_and_ef_strength(tmp_path):
@@ -468,7 +469,10 @@ def test_recovered_share_of_each_correction(tmp_path):
     assert row.recovered_by("dc-asgd") == pytest.approx(-0.25, abs=1e-5)
     assert row.recovered_by("weight-prediction") is None
     cells = dict(zip(table_headers(row.corrections), table_cells([row])[0]))
-    assert (cells["EF recovered"], cells["nesterov recovered"], cells["dc-asgd recovered"]) == ("50%", "75%", "-25%")
+    one_seed = "(n=1, no interval)"
+    assert (cells["EF recovered"], cells["nesterov recovered"], cells["dc-asgd recovered"]) == (
+        f"50% {one_seed}", f"75% {one_seed}", f"-25% {one_seed}")
+    assert cells["gap (async-sync)"] == f"+0.400 (+20.0%) {one_seed}"
     assert cells["async+nesterov"] == "2.100" and cells["async+EF"] == "2.200"
 
 
@@ -480,7 +484,9 @@ def test_recovered_share_spread_over_two_seeds(tmp_path):
     assert shares.n == 2 and shares.mean == pytest.approx(statistics.fmean(per_seed), abs=1e-5)
     assert shares.std == pytest.approx(statistics.stdev(per_seed), abs=1e-5)
     assert row.recovered_by("nesterov") == pytest.approx((2.45 - 2.175) / 0.4, abs=1e-5)  # on the means: 69%
-    assert fmt_recovered(row, "nesterov") == "69% ± 9% [62..75%] (n=2)"
+    # Fieller with a constant gap (0.4 in both seeds) is the t interval of the mean won back over 0.4:
+    # 0.6875 +- t(0.975, 1) * sd([0.3, 0.25]) / sqrt(2) / 0.4 = 0.6875 +- 12.706 * 0.025 / 0.4 = [-0.107, 1.482]
+    assert fmt_recovered(row, "nesterov") == "69% (95% CI -11% to 148%, n=2)"
     assert fmt_recovered(row) == "n/a"  # no EF runs: the EF column stays, as n/a
 
 

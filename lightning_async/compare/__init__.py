@@ -20,6 +20,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lightning_async.compare.divergence import DIVERGED_FILE, Divergence, find_divergence
 from lightning_async.compare.events import (
     ASYNC,
     ASYNC_EF,
@@ -33,26 +34,25 @@ from lightning_async.compare.events import (
     load_run,
     load_runs,
     read_scalars,
+    run_divergence,
 )
-from lightning_async.compare.divergence import DIVERGED_FILE, Divergence, find_divergence
-from lightning_async.compare.ranking import BestCorrection, best_corrections
-from lightning_async.compare.report import (
-    GAP_TOLERANCE,
-    PAPER_REFERENCE,
-    Row,
-    build_rows,
-    check_comparable,
-    render_tables,
-    write_markdown,
-)
+from lightning_async.compare.paper import PAPER_REFERENCE, PAPER_RESULTS, PaperResult
+from lightning_async.compare.ranking import BestCorrection, Recommendation, best_corrections, recommend
+from lightning_async.compare.render import correction_verdicts, render_tables, write_markdown
+from lightning_async.compare.rows import GAP_TOLERANCE, Row, build_rows, check_comparable
 from lightning_async.compare.selection import select_runs
+from lightning_async.compare.statistics import Interval, Stat
 
 __all__ = [
     "ASYNC",
     "ASYNC_EF",
     "BestCorrection",
     "GAP_TOLERANCE",
+    "Interval",
     "PAPER_REFERENCE",
+    "PAPER_RESULTS",
+    "PaperResult",
+    "Recommendation",
     "SYNC",
     "CompareError",
     "CompareResult",
@@ -61,6 +61,7 @@ __all__ = [
     "Row",
     "Run",
     "RunIdentity",
+    "Stat",
     "best_corrections",
     "build_rows",
     "classify",
@@ -71,6 +72,8 @@ __all__ = [
     "load_run",
     "load_runs",
     "read_scalars",
+    "recommend",
+    "run_divergence",
     "select_runs",
 ]
 
@@ -180,6 +183,9 @@ def compare_main(argv: list[str] | None = None) -> int:
         return 2
     print(f"{len(result.runs)} runs\n")
     print(result.table(paper=args.paper))
+    verdicts = correction_verdicts(result.rows)
+    if verdicts:
+        print("\n== which correction (paired by seed) ==\n" + "\n".join(verdicts))
     if result.report is not None:
         print(f"\nreport: {result.report}")
         for path in result.plots:

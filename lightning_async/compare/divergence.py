@@ -77,22 +77,12 @@ def first_non_finite(scalars: dict[str, list[tuple[int, float]]]) -> Divergence 
     return found
 
 
-def find_divergence(run_dir: str | os.PathLike, scalars: dict[str, list[tuple[int, float]]] | None = None):
-    """:class:`Divergence` of a run (the marker first, else its loss curves), ``None`` if it did not diverge.
-
-    ``scalars`` are read from the run's event files when not given (a directory without any is
-    not diverged).
-    """
+def find_divergence(run_dir: str | os.PathLike, scalars: dict[str, list[tuple[int, float]]]) -> Divergence | None:
+    """:class:`Divergence` of a run (its marker first, else the curves in ``scalars``), ``None`` if it did not
+    diverge. To read the scalars from the run's event files only when needed, use
+    :func:`lightning_async.compare.events.run_divergence`."""
     marker = read_marker(run_dir)
-    if marker is not None:
-        return marker
-    if scalars is None:
-        from lightning_async.compare.events import has_event_files, read_scalars
-
-        if not has_event_files(Path(run_dir)):
-            return None
-        scalars = read_scalars(run_dir)
-    return first_non_finite(scalars)
+    return marker if marker is not None else first_non_finite(scalars)
 
 
 def write_marker(run_dir: str | os.PathLike, divergence: Divergence) -> Path:

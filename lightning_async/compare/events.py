@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from lightning_async.compare.divergence import DONE_FILE, Divergence, find_divergence
+from lightning_async.compare.divergence import DONE_FILE, Divergence, find_divergence, first_non_finite, read_marker
 from lightning_async.identity import (  # noqa: F401  (re-exported: compare's names for the schema)
     ASYNC,
     ASYNC_EF,
@@ -264,6 +264,16 @@ def identity_from(sources: list[tuple[str, Mapping[str, Any]]], run_dir: Path) -
         ) from None
     except IdentityError as err:
         raise CompareError(f"run {run_dir}: {err}") from None
+
+
+def run_divergence(run_dir: str | os.PathLike) -> Divergence | None:
+    """:class:`Divergence` of the run in ``run_dir``: its ``DIVERGED`` marker, else the first non-finite point of
+    its loss curves (read from its event files only when there is no marker); ``None`` if it did not diverge."""
+    marker = read_marker(run_dir)
+    if marker is not None:
+        return marker
+    path = Path(run_dir)
+    return first_non_finite(read_scalars(path)) if has_event_files(path) else None
 
 
 def load_run(run_dir: str | os.PathLike) -> Run:

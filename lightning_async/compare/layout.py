@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from lightning_async.compare.events import VAL_LOSS
-from lightning_async.compare.report import Row
+from lightning_async.compare.rows import Row
 
 
 def _tag_part(text: str) -> str:

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 from lightning_async.compare.events import ASYNC, ASYNC_EF, SYNC, VAL_LOSS
-from lightning_async.compare.report import Row
+from lightning_async.compare.rows import Row
 from lightning_async.identity import EF, KNOWN_CORRECTIONS, correction_category
 
 STYLES = ("-", "--", ":", "-.")

@@ -31,12 +31,13 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_async.optim.asyncpp import ASYNCPP_KWARGS, build_asyncpp
 from lightning_async.optim.closure import evaluate_closure
 from lightning_async.optim.muon import BatchedMuon, NorMuon, adjusted_lr
 
 log = logging.getLogger(__name__)
 
-OPTIMIZER_NAMES = ("adamw", "muon", "normuon", "adan", "soap", "lion", "mars")
+OPTIMIZER_NAMES = ("adamw", "muon", "normuon", "adan", "soap", "lion", "mars", "asyncpp")
 MUON_FAMILY = ("muon", "normuon")
 
 # Names (dot-separated components) that mark a 2-D parameter as an embedding or the LM head.
@@ -66,6 +67,7 @@ ALLOWED_KWARGS: dict[str, frozenset[str]] = {
         {"betas", "shampoo_beta", "precondition_frequency", "max_precondition_dim", "merge_dims", "precondition_1d",
          "correct_bias", "normalize_gradient", "eps"}
     ),
+    "asyncpp": ASYNCPP_KWARGS,
 }
 _TUPLE_KWARGS = ("betas", "betas_1d", "adamw_betas", "ns_coefficients")
 
@@ -237,7 +239,7 @@ def _soap(param_groups, lr, weight_decay, kwargs):
     return SOAP(param_groups, lr=lr, weight_decay=weight_decay, **{**SOAP_DEFAULTS, **kwargs})
 
 
-_BUILDERS = {"adamw": _adamw, "adan": _adan, "lion": _lion, "mars": _mars, "soap": _soap}
+_BUILDERS = {"adamw": _adamw, "adan": _adan, "lion": _lion, "mars": _mars, "soap": _soap, "asyncpp": build_asyncpp}
 
 
 def _build_muon_family(name: str, groups: dict, lr: float, weight_decay: float, kwargs: dict) -> Optimizer:

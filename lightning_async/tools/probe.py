@@ -2,7 +2,8 @@
 
 Runs short single-device trainings of the user's recipe(s), sync, delayed and delayed + each correction
 asked for (EF by default; ``--corrections all`` for the whole family), with the same seed(s), then prints the
-gap table, a plain-language verdict and the recommended correction with its measured recovery::
+gap table, a plain-language verdict with 95% intervals over the seeds, and a recommended correction only when it
+ends significantly lower (95%, seeds paired) than both no correction and the runner-up::
 
     lightning-async probe --config my_model.yaml --config my_data.yaml --steps 200 --seeds 3 --corrections all
 
@@ -16,16 +17,15 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from lightning_async.compare import ASYNC, SYNC, CompareError, Row, compare
-from lightning_async.compare.ranking import BestCorrection, best_corrections
-from lightning_async.identity import KNOWN_CORRECTIONS
+from lightning_async.compare import ASYNC, ASYNC_EF, SYNC, CompareError, Interval, Row, compare
+from lightning_async.compare.ranking import Recommendation, recommend
+from lightning_async.identity import EF, KNOWN_CORRECTIONS
 from lightning_async.optim.corrections import CORRECTIONS, FORWARD
 from lightning_async.recipes_index import RecipeNotFound, resolve_config
 from lightning_async.tools.study import Runner, Study, StudyError, find_recipes_dir, parse_set, run_study
@@ -44,22 +44,21 @@ def probe_modes(corrections: list[str]) -> list[str]:
     return ["sync", "delayed"] + [f"delayed-{c}" for c in chosen]
 
 
-def recommendation(best: BestCorrection | None) -> str:
-    """One sentence: the correction to use and what it recovered (or that none helped)."""
-    if best is None:
-        return "No correction could be ranked (a mode is missing or the delay costs nothing measurable)."
-    spread = f" ± {100 * best.std:.0f}%" if best.std is not None else ""
-    seeds = f" over {best.n} seed{'s' if best.n != 1 else ''}" if best.n else ""
-    if best.mean <= 0:
-        return (f"Recommendation: no correction: the best one tried, {best.correction}, recovers {100 * best.mean:.0f}%"
-                f"{spread}{seeds} of the gap (it does not help this recipe).")
-    simulation = f"`--config modes/delayed --config corrections/{best.correction}`"
-    if CORRECTIONS[best.correction].level == FORWARD:  # the 2BW runtime holds no third weight version
-        where = f"{simulation}; single-device simulation only: the pipeline cannot run it"
-    else:
-        where = f"{simulation}, or under the pipeline `--config pipeline/async --config corrections/{best.correction}`"
-    return (f"Recommendation: {best.correction}, which recovers {100 * best.mean:.0f}%{spread} of the delay's gap"
-            f"{seeds} ({where}).")
+def _where(correction: str) -> str:
+    """How to turn ``correction`` on (and whether the pipeline can run it)."""
+    simulation = f"`--config modes/delayed --config corrections/{correction}`"
+    if CORRECTIONS[correction].level == FORWARD:  # the 2BW runtime holds no third weight version
+        return f"{simulation}; single-device simulation only: the pipeline cannot run it"
+    return f"{simulation}, or under the pipeline `--config pipeline/async --config corrections/{correction}`"
+
+
+def recommendation(rec: Recommendation | None) -> str:
+    """One paragraph: the correction to use, only when it ends lower than both no correction and the runner-up at
+    95% (seeds paired), with how to turn it on; otherwise "no significant difference", with the numbers that say
+    why (:meth:`~lightning_async.compare.ranking.Recommendation.describe`)."""
+    if rec is None:
+        return "No correction could be ranked (a mode is missing: no corrected run paired with a delayed run)."
+    return rec.describe(_where(rec.best) if rec.significant else None)
 
 
 @dataclass
@@ -72,7 +71,7 @@ class Verdict:
     gap_pct: float | None
     recovered: float | None
     seeds: int
-    spread: float | None
+    gap_interval: Interval | None
 
 
 def _ef_phrase(recovered: float) -> str:
@@ -85,33 +84,37 @@ def _ef_phrase(recovered: float) -> str:
     return "EF makes it worse"
 
 
+#: the lower level at which a gap whose 95% interval includes 0 still counts as "moderate" evidence
+MODERATE_LEVEL = 0.8
+
+
 def verdict(row: Row) -> Verdict:
     """Judge one gap-table row in plain language.
 
-    * ``async costs X in final loss (Y%)`` (or: no measurable cost / async ended lower);
-    * ``EF recovers Z% of it`` with a qualifier (closes all / part / barely / worse);
-    * with K >= 2 seeds, whether |gap| exceeds the seed spread (largest per-mode std): confidence
-      *high* if |gap| > 3 spreads, *moderate* if > 1 spread, else *low*; with one seed, *low*
-      (no spread estimate).
+    * ``async costs X in final loss (Y%)`` with the 95% t interval of the per-seed gaps (2+ seeds);
+    * ``EF recovers Z% of it`` with a qualifier (closes all / part / barely / worse) and Fieller's interval;
+    * confidence *high* when the gap's 95% interval excludes 0, *moderate* when only its 80% interval does,
+      else *low*; with one seed, *low* (no interval).
     """
     seeds = row.seeds
-    spread = row.seed_spread
     gap, pct, recovered = row.gap, row.gap_pct, row.recovered
+    interval = row.gap_interval()
     if gap is None:
         diverged = [c for c in (SYNC, ASYNC) if row.stat(c) is None and row.diverged_runs(c)]
         if diverged:
             return Verdict(f"cannot judge: the {' and '.join(diverged)} run diverged (non-finite loss); lower the "
-                           "learning rate or check the recipe", "none", None, None, None, seeds, spread)
+                           "learning rate or check the recipe", "none", None, None, None, seeds, None)
         missing = ", ".join(c for c in (SYNC, ASYNC) if row.stat(c) is None)
-        return Verdict(f"cannot judge: no finished {missing} run with a val/loss", "none", None, None, None, seeds, spread)
+        return Verdict(f"cannot judge: no finished {missing} run with a val/loss", "none", None, None, None, seeds, None)
     sentences = []
     pct_text = f" ({pct:+.2f}%)" if pct is not None else ""
+    bounds = f" ({interval.describe('{:+.4f}')})" if interval is not None else ""
     if row.gap_is_zero:
         sentences.append(f"async costs nothing measurable in final loss (gap {gap:+.4f}{pct_text})")
     elif gap < 0:
-        sentences.append(f"async ended lower than sync by {-gap:.4f}{pct_text}: no cost from the delay here")
+        sentences.append(f"async ended lower than sync by {-gap:.4f}{pct_text}{bounds}: no cost from the delay here")
     else:
-        sentences.append(f"async costs {gap:.4f} in final loss{pct_text.replace('+', '')}")
+        sentences.append(f"async costs {gap:.4f} in final loss{pct_text.replace('+', '')}{bounds}")
     if row.async_ef is None:
         sentences.append("EF was not measured (no delayed-ef run)")
     elif recovered is None:
@@ -119,38 +122,42 @@ def verdict(row: Row) -> Verdict:
         why = "the gap is within seed noise" if row.gap_within_noise else "no gap to recover"
         sentences.append(f"EF changes the final loss by {-ef_delta:+.4f} ({why})")
     elif gap > 0:
-        sentences.append(f"EF recovers {100 * recovered:.0f}% of it ({_ef_phrase(recovered)})")
+        share_interval = row.recovered_interval_by(EF)
+        share_bounds = f" ({share_interval.scaled(100).describe('{:.0f}', '%')})" if share_interval else ""
+        sentences.append(f"EF recovers {100 * recovered:.0f}%{share_bounds} of it ({_ef_phrase(recovered)})")
     else:
         sentences.append(f"EF moves the loss by {row.async_ef.mean - row.async_.mean:+.4f} relative to async")
 
-    if seeds < 2 or spread is None:
+    if interval is None:
         confidence = "low"
         sentences.append(
-            f"with {seeds} seed there is no estimate of seed noise, so a gap this size may be chance; "
+            f"with {seeds} seed there is no interval for the gap, so a gap this size may be chance; "
             "rerun with --seeds 3 to know"
         )
     else:
-        larger = abs(gap) > spread
+        significant = interval.excludes(0.0)
+        loose = row.gap_interval(MODERATE_LEVEL)
+        confidence = "high" if significant else ("moderate" if loose is not None and loose.excludes(0.0) else "low")
         sentences.append(
-            f"with {seeds} seeds the gap is {'' if larger else 'not '}larger than the seed spread "
-            f"(|gap| {abs(gap):.4f} vs spread {spread:.4f})"
+            f"with {interval.n} seeds the gap's 95% interval {'excludes' if significant else 'includes'} zero"
+            + ("" if significant else ": the delay's cost is not told apart from seed noise")
         )
-        if row.async_ef is not None and row.async_ is not None:
-            ef_gain = row.async_.mean - row.async_ef.mean
+        ef_change = row.difference(ASYNC_EF, ASYNC)
+        if ef_change is not None and ef_change[1] is not None:
+            changed = ef_change[1].excludes(0.0)
             sentences.append(
-                f"the EF improvement ({ef_gain:+.4f}) is {'' if abs(ef_gain) > spread else 'not '}larger than the spread"
+                f"EF's change of the final loss, {ef_change[0].mean:+.4f} ({ef_change[1].describe('{:+.4f}')}), is "
+                f"{'' if changed else 'not '}significant at 95%"
             )
-        ratio = abs(gap) / spread if spread > 0 else math.inf
-        confidence = "high" if ratio > 3 else ("moderate" if ratio > 1 else "low")
     text = "; ".join(sentences) + "."
-    return Verdict(text, confidence, gap, pct, recovered, seeds, spread)
+    return Verdict(text, confidence, gap, pct, recovered, seeds, interval)
 
 
 def confidence_statement(v: Verdict) -> str:
     explain = {
-        "high": "the gap is more than 3x the seed-to-seed spread",
-        "moderate": "the gap exceeds the seed spread but by less than 3x; more seeds or steps would firm it up",
-        "low": "the gap is within seed noise or the noise is unknown",
+        "high": "the gap's 95% interval over seeds excludes zero",
+        "moderate": "the gap's 80% interval excludes zero but its 95% interval does not; more seeds would settle it",
+        "low": "the gap is within seed noise, or one seed gives no interval",
         "none": "nothing to compare",
     }
     return f"Confidence: {v.confidence} ({explain[v.confidence]})."
@@ -287,10 +294,10 @@ def probe_main(argv: list[str] | None = None, *, runner: Runner | None = None) -
         v = verdict(row)
         prefix = f"{row.label}: " if len(report.rows) > 1 else ""
         lines += [prefix + v.text, confidence_statement(v)]
-    best = best_corrections(report.rows)
+    recommendations = recommend(report.rows)
     for optimizer in dict.fromkeys(row.optimizer for row in report.rows):
-        prefix = f"{optimizer}: " if len(best) > 1 else ""
-        lines.append(prefix + recommendation(best.get(optimizer)))
+        prefix = f"{optimizer}: " if len(recommendations) > 1 else ""
+        lines.append(prefix + recommendation(recommendations.get(optimizer)))
     text = "\n".join(lines)
     print("\n" + text)
     (study.compare_dir / "verdict.md").write_text("# Probe verdict\n\n" + text.replace("\n", "\n\n") + "\n")

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_async.compare.divergence import DIVERGED_FILE, DONE_FILE, find_divergence, write_marker
+from lightning_async.compare.divergence import DIVERGED_FILE, DONE_FILE, write_marker
+from lightning_async.compare.events import run_divergence
 from lightning_async.tools.study.locks import run_lock
 from lightning_async.tools.study.spec import RunSpec
 
@@ -49,7 +50,7 @@ def run_outcome(spec: RunSpec, rc: int) -> tuple[str, str]:
     when its loss curves hold a non-finite value (a run made without the guard: the marker is written
     here, so that reruns and ``compare`` see it without reading the curves again).
     """
-    divergence = find_divergence(spec.run_dir) if spec.run_dir.is_dir() else None
+    divergence = run_divergence(spec.run_dir) if spec.run_dir.is_dir() else None
     if divergence is not None:
         if not (spec.run_dir / DIVERGED_FILE).exists():
             write_marker(spec.run_dir, divergence)
