@@ -1,6 +1,6 @@
-"""The models and the LightningModules import one way (``lm -> models``; issue 23): no import circle through
-``lightning_async.lm`` or ``lightning_async.models``, counting imports inside functions (a lazy import is still an
-arrow)."""
+"""The package's modules import one way (issue 23): no import circle anywhere in ``lightning_async``, counting
+imports inside functions (a lazy import is still an arrow). ``lm -> models``, ``strategies -> callbacks ->
+pipeline -> optim``, ``tools -> compare -> identity`` (docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -79,3 +79,9 @@ def test_no_import_circle_through_lm_or_models():
     assert "lightning_async.lm" in graph["lightning_async.cli"]  # the graph is read (a sanity check)
     ours = [c for c in cycles(graph) if any(m == "lightning_async.lm" or m.startswith("lightning_async.models") for m in c)]
     assert ours == []
+
+
+def test_no_import_circle_anywhere_in_the_package():
+    graph = import_graph()
+    assert "lightning_async.callbacks.delay" in graph["lightning_async.strategies.async_pipe"]  # the graph is read
+    assert cycles(graph) == []
