@@ -23,9 +23,15 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-SYNC_MODES = ("sync", "sync_pipe")
-DELAYED_MODES = ("delayed", "async_pipe")
+# The run-directory contract (what training writes, what compare, study and probe read), in this module only:
+#: the mode a run records: plain training, the one-device delay simulation, and the pipeline's two kinds
+MODE_SYNC, MODE_DELAYED, MODE_SYNC_PIPE, MODE_ASYNC_PIPE = "sync", "delayed", "sync_pipe", "async_pipe"
+SYNC_MODES = (MODE_SYNC, MODE_SYNC_PIPE)
+DELAYED_MODES = (MODE_DELAYED, MODE_ASYNC_PIPE)
 KNOWN_MODES = SYNC_MODES + DELAYED_MODES
+#: files in a run directory: fit finished (JSON identity and ``global_step``); a non-finite loss stopped it (JSON
+#: ``step``, ``metric``, ``value``)
+DONE_FILE, DIVERGED_FILE = "DONE", "DIVERGED"
 
 NO_CORRECTION = "none"
 EF = "ef"

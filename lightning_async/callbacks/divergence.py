@@ -21,8 +21,9 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_async.callbacks.delay import pipeline_schedule
+from lightning_async.identity import DIVERGED_FILE
 
-MARKER = "DIVERGED"
+MARKER = DIVERGED_FILE
 LOSS, GRAD_NORM = "train/loss", "train/grad_norm"
 
 

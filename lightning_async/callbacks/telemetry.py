@@ -13,7 +13,9 @@ from lightning.pytorch.core.saving import save_hparams_to_yaml
 from lightning.pytorch.utilities import rank_zero_only
 
 from lightning_async.callbacks.delay import DelaySimulation, pipeline_schedule
-from lightning_async.identity import NO_CORRECTION, UNIFORM_PROFILE, RunIdentity
+from lightning_async.identity import (
+    DONE_FILE, MODE_ASYNC_PIPE, MODE_DELAYED, MODE_SYNC, MODE_SYNC_PIPE, NO_CORRECTION, UNIFORM_PROFILE, RunIdentity,
+)
 
 
 def run_identity(trainer: Trainer, pl_module: LightningModule) -> dict:
@@ -27,9 +29,9 @@ def run_identity(trainer: Trainer, pl_module: LightningModule) -> dict:
     profile = sources[0].profile_label() if sources else UNIFORM_PROFILE
     schedule = pipeline_schedule(trainer)
     if schedule is not None:
-        mode, delay = ("async_pipe", 1) if schedule.delayed else ("sync_pipe", 0)
+        mode, delay = (MODE_ASYNC_PIPE, 1) if schedule.delayed else (MODE_SYNC_PIPE, 0)
     else:
-        mode = "delayed" if delay else "sync"
+        mode = MODE_DELAYED if delay else MODE_SYNC
     corrections = live_corrections(trainer)  # what the runtime or the simulation's wrappers apply, however it was set
     correction = corrections[0] if corrections else None
     return RunIdentity.from_mapping({  # raw values (a module's lr may be anything): read as compare reads them
@@ -117,5 +119,5 @@ class RunTelemetry(Callback):
         log_dir = trainer.logger.log_dir if trainer.logger is not None else None  # no logger, no run directory
         if log_dir and not trainer.interrupted:
             os.makedirs(log_dir, exist_ok=True)
-            with open(os.path.join(log_dir, "DONE"), "w") as f:
+            with open(os.path.join(log_dir, DONE_FILE), "w") as f:
                 json.dump({**self.identity, "global_step": trainer.global_step}, f)

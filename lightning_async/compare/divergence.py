@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-DIVERGED_FILE = "DIVERGED"
-DONE_FILE = "DONE"
+from lightning_async.identity import DIVERGED_FILE, DONE_FILE  # (re-exported: the contract lives in identity)
 
 
 @dataclass(frozen=True)

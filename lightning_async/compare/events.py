@@ -24,8 +24,9 @@ from typing import Any
 
 import yaml
 
-from lightning_async.compare.divergence import DONE_FILE, Divergence, find_divergence, first_non_finite, read_marker
+from lightning_async.compare.divergence import Divergence, find_divergence, first_non_finite, read_marker
 from lightning_async.identity import (  # noqa: F401  (re-exported: compare's names for the schema)
+    DONE_FILE,
     ASYNC,
     ASYNC_EF,
     IDENTITY_KEYS,

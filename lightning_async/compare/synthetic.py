@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from lightning_async.identity import RunIdentity
+from lightning_async.identity import DONE_FILE, RunIdentity
 
 
 def _scalar_event(tag: str, value: float, step: int, wall: float):
@@ -73,5 +73,5 @@ def write_fake_run(
     if hparams_yaml:
         (path / "hparams.yaml").write_text(yaml.safe_dump(hparams, sort_keys=False))
     if done:
-        (path / "DONE").write_text(json.dumps(dict(done)) if isinstance(done, Mapping) else "")
+        (path / DONE_FILE).write_text(json.dumps(dict(done)) if isinstance(done, Mapping) else "")
     return path

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_async.compare.divergence import DIVERGED_FILE, DONE_FILE, write_marker
+from lightning_async.compare.divergence import write_marker
+from lightning_async.identity import DIVERGED_FILE, DONE_FILE
 from lightning_async.compare.events import run_divergence
 from lightning_async.tools.study.locks import run_lock
 from lightning_async.tools.study.spec import RunSpec

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
+from lightning_async.identity import SYNC_MODES
 from lightning_async.tools.study.locks import run_lock
 from lightning_async.tools.study.spec import RunSpec
 
@@ -183,7 +184,7 @@ def synthetic_runner(spec: RunSpec) -> int:
 
     seed = spec.seed or 0
     final = 2.6 + 0.004 * ((seed * 7919) % 5 - 2)
-    if spec.mode != "sync" and spec.mode != "sync_pipe":
+    if spec.mode not in SYNC_MODES:
         gap = _FAKE_GAPS.get(spec.optimizer or "", 0.015) * (spec.delay or 1)
         final += gap * (1.0 - _FAKE_RECOVERY.get(spec.correction, 0.0))
     steps = spec.max_steps or 100

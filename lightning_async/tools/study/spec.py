@@ -8,7 +8,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from lightning_async.compare.divergence import DIVERGED_FILE, DONE_FILE
+from lightning_async.identity import (
+    DELAYED_MODES, DIVERGED_FILE, DONE_FILE, MODE_ASYNC_PIPE, MODE_DELAYED, MODE_SYNC, MODE_SYNC_PIPE,
+)
 
 COMMAND_FILE = "STUDY_COMMAND.json"  # written into a finished run dir: the args that produced it
 LOCK_SUFFIX = ".lock"  # <runs dir>/<run name>.lock while the run trains
@@ -32,14 +34,14 @@ class StudyMode:
 #: the modes every study knows; ``delayed-<c>`` / ``async_pipe-<c>`` add ``corrections/<c>.yaml`` (any shipped)
 MODES: dict[str, StudyMode] = {
     m.name: m for m in (
-        StudyMode("sync", ("modes/sync.yaml",), "sync"),
-        StudyMode("delayed", ("modes/delayed.yaml",), "delayed"),
-        StudyMode("delayed-ef", ("modes/delayed-ef.yaml",), "delayed", "ef"),
-        StudyMode("async_pipe", ("pipeline/async.yaml",), "async_pipe"),
-        StudyMode("sync_pipe", ("pipeline/sync.yaml",), "sync_pipe"),
+        StudyMode(MODE_SYNC, ("modes/sync.yaml",), MODE_SYNC),
+        StudyMode(MODE_DELAYED, ("modes/delayed.yaml",), MODE_DELAYED),
+        StudyMode("delayed-ef", ("modes/delayed-ef.yaml",), MODE_DELAYED, "ef"),
+        StudyMode(MODE_ASYNC_PIPE, ("pipeline/async.yaml",), MODE_ASYNC_PIPE),
+        StudyMode(MODE_SYNC_PIPE, ("pipeline/sync.yaml",), MODE_SYNC_PIPE),
     )
 }
-CORRECTED_BASES = ("delayed", "async_pipe")
+CORRECTED_BASES = DELAYED_MODES
 
 
 def study_mode(name: str, recipes_dir: Path | None) -> StudyMode | None:
