@@ -43,8 +43,9 @@ def _worker(cfg: dict) -> None:
     from lightning_async.strategies import AsyncPipelineStrategy
 
     rank, world = cfg["rank"], cfg["world"]
+    # as under torchrun: every rank connects to the store its launcher hosts (no port is picked, then bound later)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(cfg["port"]))
+                      MASTER_PORT=str(cfg["port"]), TORCHELASTIC_USE_AGENT_STORE="True")
     torch.set_num_threads(1)
     fault = cfg.get("fault") if cfg.get("fault", {}).get("rank") == rank else None
 
@@ -106,17 +107,19 @@ def _worker(cfg: dict) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- one case
-def _launch(world: int, run_dir: str, timeout: float, fault: dict | None = None, resume: str | None = None) -> list:
-    from lightning_async.pipeline.local import free_port
+def _launch(world: int, run_dir: str, timeout: float, fault: dict | None = None, resume: str | None = None) -> tuple:
+    """The rank processes of one run, and the rendezvous store they connect to (keep it while they run)."""
+    from lightning_async.pipeline.local import host_store
 
     os.makedirs(run_dir, exist_ok=True)
-    port, procs = free_port(), []
+    store, procs = host_store(), []
+    port = store.port
     for rank in range(world):
         cfg = dict(rank=rank, world=world, port=port, dir=run_dir, timeout=timeout, fault=fault or {}, resume=resume)
         log = open(os.path.join(run_dir, f"rank{rank}.log"), "w")
         procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(cfg)],
                                       stdout=log, stderr=subprocess.STDOUT))
-    return procs
+    return procs, store
 
 
 def _wait(procs: list, limit: float, stopped_rank: int | None) -> tuple[dict[int, float], list[int]]:
@@ -148,7 +151,7 @@ def _losses(run_dir: str) -> dict[int, float]:
 
 def _uninterrupted(world: int, root: str, timeout: float, limit: float) -> dict[int, float]:
     run_dir = os.path.join(root, f"reference-{world}")
-    procs = _launch(world, run_dir, timeout)
+    procs, _store = _launch(world, run_dir, timeout)
     _wait(procs, limit, None)
     codes = [p.returncode for p in procs]
     if codes != [0] * world:
@@ -164,7 +167,7 @@ def _resume_check(world: int, run_dir: str, timeout: float, limit: float, refere
         return None, "no checkpoint"
     step = read_meta(path)["global_step"]
     resumed_dir = run_dir + "-resumed"
-    procs = _launch(world, resumed_dir, timeout, resume=path)
+    procs, _store = _launch(world, resumed_dir, timeout, resume=path)
     _wait(procs, limit, None)
     codes = [p.returncode for p in procs]
     exits = "" if codes == [0] * world else f", exit codes {codes}"
@@ -180,7 +183,7 @@ def run_case(world: int, signal_name: str, stage: int, phase: str, root: str, ti
              reference: dict[int, float]) -> dict:
     run_dir = os.path.join(root, f"s{world}-{signal_name}-stage{stage}-{phase}")
     fault = {"rank": stage, "signal": signal_name, "phase": phase}
-    procs = _launch(world, run_dir, timeout, fault=fault)
+    procs, _store = _launch(world, run_dir, timeout, fault=fault)
     exited, stray = _wait(procs, limit, stage if signal_name == "stop" else None)
     stamp = os.path.join(run_dir, "fault_time")
     fired = float(open(stamp).read()) if os.path.exists(stamp) else None

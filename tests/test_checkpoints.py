@@ -12,7 +12,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from _pipeline_harness import free_port, spawn
+from _pipeline_harness import as_torchrun, spawn
 from test_strategy import SHAPE, TinyData
 
 from lightning_async.lm import CausalLM
@@ -105,15 +105,6 @@ def test_a_single_device_run_refuses_a_pipeline_checkpoint_clearly(tmp_path):
 
 
 # ---- through the strategy, on two ranks ---------------------------------------------------------------------------
-def _as_torchrun(port: int) -> int:
-    import torch.distributed as dist
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dist.destroy_process_group()
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_PORT=str(port))
-    return rank
-
-
 def _fit(steps: int, callbacks=(), ckpt_path=None, plugins=(), **strategy) -> L.Trainer:
     L.seed_everything(0)
     trainer = L.Trainer(
@@ -129,10 +120,10 @@ def _every(dirpath: str, filename: str, steps: int = 2, **kwargs) -> ModelCheckp
     return ModelCheckpoint(dirpath=dirpath, filename=filename, every_n_train_steps=steps, enable_version_counter=False, **kwargs)
 
 
-def _refusals(tmp: str, port: int) -> dict:
+def _refusals(tmp: str) -> dict:
     import torch.distributed as dist
 
-    rank = _as_torchrun(port)
+    rank = as_torchrun()
     root, last = os.path.join(tmp, "ckpt"), os.path.join(tmp, "last")
     _fit(4, callbacks=[_every(root, "{step}", save_top_k=-1), _every(last, "last", steps=1)])  # last.ckpt: overwritten 4 times
     step4 = os.path.join(root, "step=4.ckpt")
@@ -161,7 +152,7 @@ def _refusals(tmp: str, port: int) -> dict:
 
 @pytest.fixture(scope="module")
 def refusals(tmp_path_factory):
-    return spawn(2, _refusals, str(tmp_path_factory.mktemp("refuse")), free_port(), timeout=300)
+    return spawn(2, _refusals, str(tmp_path_factory.mktemp("refuse")), timeout=300)
 
 
 def test_checkpoints_are_written_whole(refusals):
@@ -205,8 +196,8 @@ class DieDuringSecondSave(TorchCheckpointIO):
         super().save_checkpoint(checkpoint, path, storage_options)
 
 
-def _killed_save(tmp: str, port: int) -> dict:
-    _as_torchrun(port)
+def _killed_save(tmp: str) -> dict:
+    as_torchrun(timeout=30)
     last = os.path.join(tmp, "last")
     try:
         _fit(6, callbacks=[_every(last, "last")], plugins=[DieDuringSecondSave()], timeout=30)
@@ -220,7 +211,7 @@ def _killed_save(tmp: str, port: int) -> dict:
 
 def test_a_save_killed_midway_leaves_the_previous_checkpoint_whole(tmp_path):
     """Before: last.ckpt held stage 0 at step 4 and a broken stage 1 file."""
-    (survivor,) = spawn(2, _killed_save, str(tmp_path), free_port(), timeout=120, reporting=1)
+    (survivor,) = spawn(2, _killed_save, str(tmp_path), timeout=120, reporting=1)
     assert survivor["error"].startswith("PeerFailure") and "while checkpoint" in survivor["error"], survivor["error"]
     assert survivor["listing"] == ["last.ckpt"]  # the partial save was removed
     assert survivor["steps"] == [2, 2]

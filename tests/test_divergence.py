@@ -10,7 +10,7 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from _pipeline_harness import free_port, spawn
+from _pipeline_harness import as_torchrun, spawn
 from test_strategy import SHAPE, TinyData
 
 from lightning_async.callbacks import Diverged, DivergenceGuard
@@ -77,12 +77,8 @@ def test_finite_training_is_left_alone(tmp_path):
 
 
 # ---- pipeline: every rank stops at the same step; the strategy guards by default -----------------------------
-def _pipeline_divergence(tmp: str, port: int) -> dict:
-    import torch.distributed as dist
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dist.destroy_process_group()
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_PORT=str(port))
+def _pipeline_divergence(tmp: str) -> dict:
+    rank = as_torchrun()
     out = {}
     # keep going (explicit guard): trains to max_steps, marks the run
     kept = _trainer(os.path.join(tmp, "kept"), callbacks=[DivergenceGuard(stop=False)], strategy=AsyncPipelineStrategy(n_microbatches=2), devices=2)
@@ -104,7 +100,7 @@ def _pipeline_divergence(tmp: str, port: int) -> dict:
 
 @pytest.fixture(scope="module")
 def pipeline_divergence(tmp_path_factory):
-    return spawn(2, _pipeline_divergence, str(tmp_path_factory.mktemp("diverge")), free_port(), timeout=240)
+    return spawn(2, _pipeline_divergence, str(tmp_path_factory.mktemp("diverge")), timeout=240)
 
 
 def test_pipeline_stops_every_rank_at_the_same_step_by_default(pipeline_divergence):

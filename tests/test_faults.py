@@ -10,7 +10,7 @@ import time
 import lightning as L
 import pytest
 
-from _pipeline_harness import free_port, spawn
+from _pipeline_harness import as_torchrun, spawn
 from test_strategy import SHAPE, TinyData
 
 from lightning_async.lm import CausalLM
@@ -28,12 +28,8 @@ class DieAtBatch(L.Callback):
             os._exit(17)
 
 
-def _fit_with_a_dying_stage(port: int) -> None:
-    import torch.distributed as dist
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dist.destroy_process_group()
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_PORT=str(port))
+def _fit_with_a_dying_stage() -> None:
+    as_torchrun(timeout=60)
     L.seed_everything(0)
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=AsyncPipelineStrategy(n_microbatches=2, timeout=60), max_steps=8,
@@ -46,7 +42,7 @@ def _fit_with_a_dying_stage(port: int) -> None:
 def test_dead_stage_is_named_and_nobody_hangs():
     start = time.monotonic()
     with pytest.raises(RuntimeError) as failure:
-        spawn(2, _fit_with_a_dying_stage, free_port(), timeout=90, reporting=1)
+        spawn(2, _fit_with_a_dying_stage, timeout=90, reporting=1)
     message = str(failure.value)
     assert message.startswith("rank 0 failed")
     assert "PeerFailure" in message and "stage 1 (global rank 1) stopped answering" in message, message[-600:]
@@ -80,13 +76,9 @@ class SignalAtBatch(L.Callback):
             os.kill(os.getpid(), self.signum)
 
 
-def _fit_outcome(port: int, timeout: float, callbacks: list) -> dict:
+def _fit_outcome(timeout: float, callbacks: list) -> dict:
     """Fit on this rank (as torchrun starts it); how it ended and when, instead of raising."""
-    import torch.distributed as dist
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dist.destroy_process_group()
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_PORT=str(port))
+    as_torchrun(timeout)
     L.seed_everything(0)
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=AsyncPipelineStrategy(n_microbatches=2, timeout=timeout), max_steps=8,
@@ -105,7 +97,7 @@ def test_sigterm_to_one_stage_stops_every_rank_within_seconds(tmp_path):
     """Before: the signalled rank waited in Lightning's SIGTERM broadcast from rank 0, every rank for `timeout`."""
     stamp = str(tmp_path / "signalled")
     callbacks = [SignalAtBatch(rank=1, batch=2, signum=signal.SIGTERM, stamp=stamp)]
-    ends = spawn(2, _fit_outcome, free_port(), 60, callbacks, timeout=120)
+    ends = spawn(2, _fit_outcome, 60, callbacks, timeout=120)
     stopped, peer = ends[1], ends[0]
     assert stopped["error"] == "StageTerminated", stopped
     assert "SIGTERM: pipeline stage 1 (global rank 1) stopped at step 3" in stopped["message"]
@@ -119,7 +111,7 @@ def test_silent_stage_is_timed_out_and_named(tmp_path):
     """SIGSTOP: the stage neither dies nor answers. Before: the pipeline groups had torch's 30-minute timeout."""
     stamp = str(tmp_path / "stopped")
     callbacks = [SignalAtBatch(rank=1, batch=2, signum=signal.SIGSTOP, stamp=stamp)]
-    (peer,) = spawn(2, _fit_outcome, free_port(), 5, callbacks, timeout=90, reporting=1)  # rank 1 never reports
+    (peer,) = spawn(2, _fit_outcome, 5, callbacks, timeout=90, reporting=1)  # rank 1 never reports
     assert peer["error"] == "PeerFailure", peer
     assert "stage 1 (global rank 1) stopped answering" in peer["message"] and "Timed out" in peer["message"], peer["message"]
     waited = peer["ended"] - float(open(stamp).read())
