@@ -10,7 +10,7 @@ cannot exit: it is listed as stray, killed by this script, and the time is the o
 rank, the step of the last complete checkpoint, and whether resuming it reproduces the uninterrupted run's
 training losses exactly.
 
-    python benchmarks/faults.py                       # the whole matrix (about 90 short runs)
+    python benchmarks/faults.py --json faults.json     # the whole matrix (about 90 short runs; prints its wall time)
     python benchmarks/faults.py --stages 2 --signals kill --phases save
 """
 
@@ -230,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         _worker(json.loads(args.worker))
         return 0
     root = args.dir or tempfile.mkdtemp(prefix="faults-")
+    started = time.time()
     rows = []
     for world in args.stages:
         reference = _uninterrupted(world, root, args.timeout, args.limit)
@@ -238,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(row), flush=True)
             rows.append(row)
     print(table(rows))
+    print(f"\n{len(rows)} faults (+ resumes) on {'+'.join(map(str, args.stages))} stages in {time.time() - started:.0f} s wall; runs in {root}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
