@@ -103,7 +103,21 @@ def _worker(cfg: dict) -> None:
         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, plugins=plugins,
     )
     model = CausalLM(vocab_size=257, model_overrides=dict(hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, ffn_size=64), lr=3e-3)
+    _start_together(cfg)
     trainer.fit(model, datamodule=Data(), ckpt_path=cfg.get("resume"))
+
+
+def _start_together(cfg: dict) -> None:
+    """The ranks of a run meet here (generous timeout) before Lightning opens its process group with the strategy's
+    5 s timeout: a rank that imports more slowly on a busy machine is not a fault."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", cfg["port"], is_master=False, timeout=timedelta(seconds=300))
+    store.add("faults/arrived", 1)
+    while store.add("faults/arrived", 0) < cfg["world"]:
+        time.sleep(0.05)
 
 
 # ---------------------------------------------------------------------------------------------- one case
