@@ -10,7 +10,7 @@ cannot exit: it is listed as stray, killed by this script, and the time is the o
 rank, the step of the last complete checkpoint, and whether resuming it reproduces the uninterrupted run's
 training losses exactly.
 
-    python benchmarks/faults.py                       # the whole matrix (about 90 short runs)
+    python benchmarks/faults.py --json faults.json     # the whole matrix (about 90 short runs; prints its wall time)
     python benchmarks/faults.py --stages 2 --signals kill --phases save
 """
 
@@ -43,8 +43,9 @@ def _worker(cfg: dict) -> None:
     from lightning_async.strategies import AsyncPipelineStrategy
 
     rank, world = cfg["rank"], cfg["world"]
+    # as under torchrun: every rank connects to the store its launcher hosts (no port is picked, then bound later)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(cfg["port"]))
+                      MASTER_PORT=str(cfg["port"]), TORCHELASTIC_USE_AGENT_STORE="True")
     torch.set_num_threads(1)
     fault = cfg.get("fault") if cfg.get("fault", {}).get("rank") == rank else None
 
@@ -102,28 +103,57 @@ def _worker(cfg: dict) -> None:
         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, plugins=plugins,
     )
     model = CausalLM(vocab_size=257, model_overrides=dict(hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, ffn_size=64), lr=3e-3)
+    _start_together(cfg)
     trainer.fit(model, datamodule=Data(), ckpt_path=cfg.get("resume"))
 
 
+def _start_together(cfg: dict) -> None:
+    """The ranks of a run meet here (generous timeout) before Lightning opens its process group with the strategy's
+    5 s timeout: a rank that imports more slowly on a busy machine is not a fault."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", cfg["port"], is_master=False, timeout=timedelta(seconds=300))
+    store.add("faults/arrived", 1)
+    while store.add("faults/arrived", 0) < cfg["world"]:
+        time.sleep(0.05)
+
+
 # ---------------------------------------------------------------------------------------------- one case
-def _launch(world: int, run_dir: str, timeout: float, fault: dict | None = None, resume: str | None = None) -> list:
-    from lightning_async.pipeline.local import free_port
+def _launch(world: int, run_dir: str, timeout: float, fault: dict | None = None, resume: str | None = None) -> tuple:
+    """The rank processes of one run, and the rendezvous store they connect to (keep it while they run)."""
+    from lightning_async.pipeline.local import host_store
 
     os.makedirs(run_dir, exist_ok=True)
-    port, procs = free_port(), []
+    store, procs = host_store(), []
+    port = store.port
     for rank in range(world):
         cfg = dict(rank=rank, world=world, port=port, dir=run_dir, timeout=timeout, fault=fault or {}, resume=resume)
         log = open(os.path.join(run_dir, f"rank{rank}.log"), "w")
         procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(cfg)],
                                       stdout=log, stderr=subprocess.STDOUT))
-    return procs
+    return procs, store
 
 
-def _wait(procs: list, limit: float, stopped_rank: int | None) -> tuple[dict[int, float], list[int]]:
-    """Exit times by rank; the ranks still alive at ``limit`` (or the SIGSTOPped one, once the others are gone)."""
+RUN_ALLOWANCE = 900.0  # seconds a run may take before its fault fires (or to its end): a loaded machine is slow
+
+
+def _wait(procs: list, limit: float, stopped_rank: int | None, stamp: str | None = None) -> tuple[dict[int, float], list[int]]:
+    """Exit times by rank; the ranks still alive ``limit`` seconds after the fault fired (the time in ``stamp``; a
+    run whose fault never fires gets ``RUN_ALLOWANCE``), and the SIGSTOPped one once the others are gone."""
     exited: dict[int, float] = {}
-    deadline = time.time() + limit
-    while time.time() < deadline:
+    launched = time.time()
+
+    def deadline() -> float:
+        if stamp and os.path.exists(stamp):
+            with open(stamp) as f:
+                text = f.read().strip()
+            if text:
+                return float(text) + limit
+        return launched + RUN_ALLOWANCE
+
+    while time.time() < deadline():
         for rank, proc in enumerate(procs):
             if rank not in exited and proc.poll() is not None:
                 exited[rank] = time.time()
@@ -148,7 +178,7 @@ def _losses(run_dir: str) -> dict[int, float]:
 
 def _uninterrupted(world: int, root: str, timeout: float, limit: float) -> dict[int, float]:
     run_dir = os.path.join(root, f"reference-{world}")
-    procs = _launch(world, run_dir, timeout)
+    procs, _store = _launch(world, run_dir, timeout)
     _wait(procs, limit, None)
     codes = [p.returncode for p in procs]
     if codes != [0] * world:
@@ -164,7 +194,7 @@ def _resume_check(world: int, run_dir: str, timeout: float, limit: float, refere
         return None, "no checkpoint"
     step = read_meta(path)["global_step"]
     resumed_dir = run_dir + "-resumed"
-    procs = _launch(world, resumed_dir, timeout, resume=path)
+    procs, _store = _launch(world, resumed_dir, timeout, resume=path)
     _wait(procs, limit, None)
     codes = [p.returncode for p in procs]
     exits = "" if codes == [0] * world else f", exit codes {codes}"
@@ -180,9 +210,9 @@ def run_case(world: int, signal_name: str, stage: int, phase: str, root: str, ti
              reference: dict[int, float]) -> dict:
     run_dir = os.path.join(root, f"s{world}-{signal_name}-stage{stage}-{phase}")
     fault = {"rank": stage, "signal": signal_name, "phase": phase}
-    procs = _launch(world, run_dir, timeout, fault=fault)
-    exited, stray = _wait(procs, limit, stage if signal_name == "stop" else None)
+    procs, _store = _launch(world, run_dir, timeout, fault=fault)
     stamp = os.path.join(run_dir, "fault_time")
+    exited, stray = _wait(procs, limit, stage if signal_name == "stop" else None, stamp)
     fired = float(open(stamp).read()) if os.path.exists(stamp) else None
     ended = [t for r, t in exited.items() if r not in stray]
     codes = [proc.returncode for proc in procs]
@@ -219,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--signals", nargs="+", choices=list(SIGNALS), default=list(SIGNALS))
     parser.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
     parser.add_argument("--timeout", type=float, default=5.0, help="the strategy's timeout (seconds)")
-    parser.add_argument("--limit", type=float, default=90.0, help="seconds before a run counts as hung and is killed")
+    parser.add_argument("--limit", type=float, default=90.0, help="seconds after the fault before a rank counts as hung and is killed")
     parser.add_argument("--dir", help="where the runs write (default: a temporary directory)")
     parser.add_argument("--json", help="also write the rows as JSON here")
     args = parser.parse_args(argv)
@@ -227,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         _worker(json.loads(args.worker))
         return 0
     root = args.dir or tempfile.mkdtemp(prefix="faults-")
+    started = time.time()
     rows = []
     for world in args.stages:
         reference = _uninterrupted(world, root, args.timeout, args.limit)
@@ -235,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(row), flush=True)
             rows.append(row)
     print(table(rows))
+    print(f"\n{len(rows)} faults (+ resumes) on {'+'.join(map(str, args.stages))} stages in {time.time() - started:.0f} s wall; runs in {root}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -16,6 +16,7 @@ Mistakes in the command line or a recipe end with one ``error:`` line and exit c
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import inspect
 import os
@@ -25,6 +26,7 @@ import threading
 from pathlib import Path
 
 import yaml
+from jsonargparse import DefaultHelpFormatter
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -47,6 +49,28 @@ TOOLS = {
     "recipes": ("lightning_async.recipes_index", "recipes_main"),
     "export": ("lightning_async.export", "export_main"),
 }
+
+# the one line each tool gets in `lightning-async --help` (LightningCLI lists fit, validate, test and predict itself)
+TOOL_SUMMARIES = {
+    "study": "run a matrix of trainings: optimizers x modes x corrections x seeds",
+    "compare": "gap table, report and curves of finished runs (sync vs async)",
+    "probe": "what the one-step delay costs your recipe, and the correction to use",
+    "plan": "planning table: 1F1B vs 2BW time, bubble and memory per shape",
+    "export": "a training checkpoint as a Hugging Face model directory",
+    "recipes": "list the shipped recipes, or copy one out to edit",
+}
+
+
+def tools_help() -> str:
+    """The list of the tools' subcommands under the top-level help, one line each."""
+    width = max(map(len, TOOL_SUMMARIES)) + 2
+    lines = [f"  {name:<{width}}{summary}" for name, summary in TOOL_SUMMARIES.items()]
+    return "\n".join(["more commands (run `lightning-async COMMAND --help` for their options):", *lines])
+
+
+class TopLevelHelpFormatter(argparse.RawDescriptionHelpFormatter, DefaultHelpFormatter):
+    """jsonargparse's help with the epilog's line breaks kept (the tools' list)."""
+
 
 EXIT_BAD_INPUT = 2
 EXIT_SIGTERM = 128 + signal.SIGTERM
@@ -175,6 +199,14 @@ class AsyncCLI(LightningCLI):
         parser.add_lightning_class_args(DivergenceGuard, "divergence")  # on by default; --divergence.stop false
         parser.set_defaults({"model": {"class_path": DEFAULT_MODEL}})
         parser.link_arguments("data.vocab_size", "model.init_args.vocab_size", apply_on="instantiate")
+
+    def setup_parser(self, add_subcommands: bool, main_kwargs: dict, subparser_kwargs: dict) -> None:
+        super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
+        # set after the subcommands exist, so only the top-level help lists the tools (each subcommand's --help is
+        # left as LightningCLI makes it: jsonargparse hands the formatter to subcommands added later)
+        self.parser.description = "lightning-async: asynchronous pipeline-parallel pretraining with Lightning."
+        self.parser.epilog = tools_help()
+        self.parser.formatter_class = TopLevelHelpFormatter
 
     def parse_arguments(self, parser, args) -> None:
         # `main` always passes the argument list (sys.argv[1:] by default), so LightningCLI's warning

@@ -137,15 +137,13 @@ def lightning_fit(strategy, devices: int, log_dir: str | None = None, callbacks=
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
-def _two_stage_spawn(log_dir: str, port: int) -> dict:
-    import torch.distributed as dist
+def _two_stage_spawn(log_dir: str) -> dict:
+    from _pipeline_harness import as_torchrun
 
     from lightning_async.strategies import AsyncPipelineStrategy
 
     out = {"oracle": _scenarios(2)}
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dist.destroy_process_group()  # Lightning opens its own, from the environment (as under torchrun)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_PORT=str(port))
+    as_torchrun()  # Lightning runs on a fresh default group, as under torchrun
     out["lightning"] = lightning_fit(AsyncPipelineStrategy(n_microbatches=LIGHTNING_MICROBATCHES), 2, log_dir)
     return out
 
@@ -154,12 +152,12 @@ def _two_stage_spawn(log_dir: str, port: int) -> dict:
 def spawn_results(stages: int) -> tuple[list, str]:
     """Every rank's results of the ``stages``-stage spawn (run once per session), and the 2-stage Lightning fit's
     TensorBoard run directory."""
-    from _pipeline_harness import free_port, spawn
+    from _pipeline_harness import spawn
 
     log_dir = tempfile.mkdtemp(prefix="lightning-async-moe-")
     atexit.register(shutil.rmtree, log_dir, ignore_errors=True)
     if stages == 2:
-        return spawn(2, _two_stage_spawn, log_dir, free_port(), timeout=900), os.path.join(log_dir, "moe", "run")
+        return spawn(2, _two_stage_spawn, log_dir, timeout=900), os.path.join(log_dir, "moe", "run")
     return [{"oracle": rank} for rank in spawn(stages, _scenarios, stages, timeout=900)], log_dir
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -13,7 +14,7 @@ from lightning_async.models import SmolLM2, model_config
 from lightning_async.models.objective import next_token_loss, split_next_token
 from lightning_async.optim import DelayedOptimizer, build_correction, build_optimizer
 from lightning_async.pipeline.boundary import split_rows
-from lightning_async.pipeline.local import free_port, run_local  # noqa: F401 (free_port: for the tests)
+from lightning_async.pipeline.local import join_default_group, run_local
 from lightning_async.pipeline.rank import build_rank
 from workload import KWARGS, LRS, lr_lambda
 from workload import SHAPE as SINGLE_DEVICE_SHAPE
@@ -182,3 +183,13 @@ def pipeline_run(
 def spawn(world: int, fn, *args, timeout: float = 240.0, reporting: int | None = None) -> list:
     """``run_local`` on gloo: ``fn(*args)`` on ``world`` processes, results by rank."""
     return run_local(world, fn, *args, timeout=timeout, reporting=reporting)
+
+
+def as_torchrun(timeout: float = 300.0, **env: str) -> int:
+    """Inside a ``spawn`` worker: a fresh default group (``timeout``: the strategy's, as Lightning would give it)
+    and the environment torchrun gives a rank (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``; ``env`` adds or
+    overrides), so a Trainer started next runs as under torchrun, on that group. Returns the rank."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    join_default_group(timeout)
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), **env})
+    return rank

@@ -12,7 +12,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from _pipeline_harness import free_port, spawn
+from _pipeline_harness import as_torchrun, spawn
 from test_strategy import SHAPE, TinyData
 
 from lightning_async.lm import CausalLM
@@ -23,6 +23,7 @@ from lightning_async.strategies import AsyncPipelineStrategy
 
 # ---- the directory protocol, without processes --------------------------------------------------------------
 def _write(path: str, step: int, stages: int = 2) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     staging = ckpt.begin_save(path)
     for s in range(stages):
         torch.save({"global_step": step, "pipeline": {"stage": s, "units": [["a"], ["b"]]}, "state_dict": {}}, ckpt.stage_file(staging, s))
@@ -56,9 +57,83 @@ def test_a_crash_between_the_two_renames_is_resolved(tmp_path):
     _write(path, 2)
     os.rename(path, path + ".old")  # publish() died right after moving the old checkpoint aside
     assert ckpt.resolve(path) == path + ".old"
-    _write(str(tmp_path / "next.ckpt"), 4)
-    os.rename(tmp_path / "next.ckpt", path + ".partial")  # ... or with the new one complete and unrenamed
+    _write(str(tmp_path / "elsewhere" / "next.ckpt"), 4)
+    os.rename(tmp_path / "elsewhere" / "next.ckpt", path + ".partial")  # ... or with the new one complete and unrenamed
     assert ckpt.resolve(path) == path + ".partial"
+
+
+def _crash_between_the_renames(path: str) -> None:
+    """The disk as publish() leaves it when the process dies between its two renames: the step-2 checkpoint moved
+    to .old, the complete step-4 one still in .partial, nothing at ``path``."""
+    _write(path, 2)
+    os.rename(path, path + ".old")
+    newer = os.path.join(os.path.dirname(path), "elsewhere", "new.ckpt")
+    _write(newer, 4)  # (written elsewhere: a save in this directory would repair it first)
+    os.rename(newer, path + ".partial")
+    os.rmdir(os.path.dirname(newer))
+
+
+def test_a_crash_between_the_renames_is_finished_not_thrown_away(tmp_path):
+    """Before: the next save of the same name began by deleting the complete .partial (the newest checkpoint); had
+    that save died too, only the older .old was left (and it was never removed)."""
+    path = str(tmp_path / "last.ckpt")
+    _crash_between_the_renames(path)
+    with pytest.warns(UserWarning, match="a crash had interrupted its save .* now in place"):
+        staging = ckpt.begin_save(path)  # the resumed run saves again, and dies before publish()
+    torch.save({"global_step": 6}, ckpt.stage_file(staging, 0))
+    assert ckpt.resolve(path) == path and ckpt.read_meta(path)["global_step"] == 4
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt", "last.ckpt.partial"]
+    assert ckpt.recover(tmp_path) == [ckpt.Repair(path, "cleaned")]  # the killed save's stage file
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt"] and ckpt.read_meta(path)["global_step"] == 4
+
+
+def test_recover_puts_the_previous_checkpoint_back_when_no_save_completed(tmp_path):
+    path = str(tmp_path / "last.ckpt")
+    _write(path, 2)
+    os.rename(path, path + ".old")
+    os.makedirs(path + ".partial")  # (a save's staging without its marker)
+    assert ckpt.recover(tmp_path) == [ckpt.Repair(path, "restored")]
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt"] and ckpt.read_meta(path)["global_step"] == 2
+
+
+def test_leftovers_under_other_names_are_cleared_and_nothing_a_user_saved(tmp_path):
+    """Before: a killed save's step=4.ckpt.partial and a leftover last.ckpt.old stayed forever (only a later save of
+    the same name cleared them)."""
+    _write(str(tmp_path / "step=2.ckpt"), 2)
+    _write(str(tmp_path / "last.ckpt"), 2)
+    staging = ckpt.begin_save(str(tmp_path / "step=4.ckpt"))  # killed during the save
+    torch.save({"global_step": 4}, ckpt.stage_file(staging, 1))
+    shutil.copytree(tmp_path / "last.ckpt", tmp_path / "last.ckpt.old")  # a swap finished, its removal did not
+    os.makedirs(tmp_path / "notes.partial")  # not ours: other files inside
+    (tmp_path / "notes.partial" / "todo.txt").write_text("keep me")
+    (tmp_path / "data.old").write_text("keep me too")
+    with pytest.warns(UserWarning, match="removed what an interrupted save left"):
+        _write(str(tmp_path / "step=6.ckpt"), 6)
+    assert sorted(os.listdir(tmp_path)) == ["data.old", "last.ckpt", "notes.partial", "step=2.ckpt", "step=6.ckpt"]
+    assert (tmp_path / "notes.partial" / "todo.txt").read_text() == "keep me"
+
+
+def test_a_plain_file_at_the_path_is_kept_and_the_checkpoint_written_whole(tmp_path):
+    """Before: publish() moved the file to last.ckpt.old, put the checkpoint in place, then failed on rank 0 with
+    NotADirectoryError removing the file (the other ranks: PeerFailure, the fit lost)."""
+    path = tmp_path / "last.ckpt"
+    path.write_bytes(b"a plain Lightning checkpoint")
+    with pytest.warns(UserWarning, match="was not a pipeline checkpoint directory; it is kept as .*last.ckpt.kept"):
+        _write(str(path), 4)
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt", "last.ckpt.kept"]
+    assert ckpt.read_meta(path)["global_step"] == 4
+    assert (tmp_path / "last.ckpt.kept").read_bytes() == b"a plain Lightning checkpoint"
+
+
+def test_lightnings_launchers_repair_before_last_is_resolved(tmp_path):
+    """Lightning resolves ckpt_path="last" (a .ckpt whose name starts with last) in every rank before the strategy's
+    setup; the launching process repairs the checkpoint callbacks' directories before it starts them."""
+    path = str(tmp_path / "last.ckpt")
+    _crash_between_the_renames(path)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=AsyncPipelineStrategy(start_method="spawn"), logger=False,
+                        callbacks=[ModelCheckpoint(dirpath=str(tmp_path), filename="last")])
+    trainer.strategy.validate_launch(trainer)
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt"] and ckpt.read_meta(path)["global_step"] == 4
 
 
 def test_an_incomplete_directory_is_refused(tmp_path):
@@ -105,15 +180,6 @@ def test_a_single_device_run_refuses_a_pipeline_checkpoint_clearly(tmp_path):
 
 
 # ---- through the strategy, on two ranks ---------------------------------------------------------------------------
-def _as_torchrun(port: int) -> int:
-    import torch.distributed as dist
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dist.destroy_process_group()
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_PORT=str(port))
-    return rank
-
-
 def _fit(steps: int, callbacks=(), ckpt_path=None, plugins=(), **strategy) -> L.Trainer:
     L.seed_everything(0)
     trainer = L.Trainer(
@@ -129,10 +195,10 @@ def _every(dirpath: str, filename: str, steps: int = 2, **kwargs) -> ModelCheckp
     return ModelCheckpoint(dirpath=dirpath, filename=filename, every_n_train_steps=steps, enable_version_counter=False, **kwargs)
 
 
-def _refusals(tmp: str, port: int) -> dict:
+def _refusals(tmp: str) -> dict:
     import torch.distributed as dist
 
-    rank = _as_torchrun(port)
+    rank = as_torchrun()
     root, last = os.path.join(tmp, "ckpt"), os.path.join(tmp, "last")
     _fit(4, callbacks=[_every(root, "{step}", save_top_k=-1), _every(last, "last", steps=1)])  # last.ckpt: overwritten 4 times
     step4 = os.path.join(root, "step=4.ckpt")
@@ -156,12 +222,33 @@ def _refusals(tmp: str, port: int) -> dict:
             out[name] = _fit(6, **kwargs).global_step
         except ValueError as err:
             out[name] = str(err)
+    # last.ckpt (step 4) caught by a crash between the two renames of a save, then resumed with ckpt_path="last"
+    if rank == 0:
+        os.rename(os.path.join(last, "last.ckpt"), os.path.join(last, "last.ckpt.partial"))
+        shutil.copytree(os.path.join(root, "step=2.ckpt"), os.path.join(last, "last.ckpt.old"))
+    dist.barrier()
+    out["resume_last"] = []
+    for _ in range(2):
+        started = StartStep()
+        try:
+            trainer = _fit(6, callbacks=[_every(last, "last"), started], ckpt_path="last")
+            out["resume_last"].append((started.step, trainer.global_step))
+        except ValueError as err:
+            out["resume_last"].append(str(err))
+    out["last_after_resume"] = (sorted(os.listdir(last)), ckpt.read_meta(os.path.join(last, "last.ckpt"))["global_step"])
     return out
+
+
+class StartStep(L.Callback):
+    step = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.step = trainer.global_step
 
 
 @pytest.fixture(scope="module")
 def refusals(tmp_path_factory):
-    return spawn(2, _refusals, str(tmp_path_factory.mktemp("refuse")), free_port(), timeout=300)
+    return spawn(2, _refusals, str(tmp_path_factory.mktemp("refuse")), timeout=300)
 
 
 def test_checkpoints_are_written_whole(refusals):
@@ -190,6 +277,20 @@ def test_a_good_checkpoint_still_resumes(refusals):
     assert [rank["intact"] for rank in refusals] == [6, 6]
 
 
+@pytest.mark.slow
+def test_resume_last_after_a_crash_between_the_renames(refusals):
+    """Before: Lightning found no last*.ckpt (only last.ckpt.partial and .old), warned and trained from step 0, and
+    its first save deleted the complete .partial. Under torchrun every rank now refuses once, after the repair (the
+    checkpoint was chosen before the strategy could repair it), and the next start resumes from step 4."""
+    for rank in refusals:
+        refused, resumed = rank["resume_last"]
+        assert isinstance(refused, str) and "last.ckpt: a crash had interrupted its save" in refused, refused
+        assert "start it again to resume from the repaired checkpoint" in refused
+        assert resumed == (4, 6)
+    assert refusals[0]["resume_last"][0] == refusals[1]["resume_last"][0]
+    assert refusals[0]["last_after_resume"] == (["last.ckpt"], 6)
+
+
 class DieDuringSecondSave(TorchCheckpointIO):
     """Rank 1 writes half of its stage file at the second save, then dies (kill -9 in the middle of a write)."""
 
@@ -205,8 +306,8 @@ class DieDuringSecondSave(TorchCheckpointIO):
         super().save_checkpoint(checkpoint, path, storage_options)
 
 
-def _killed_save(tmp: str, port: int) -> dict:
-    _as_torchrun(port)
+def _killed_save(tmp: str) -> dict:
+    as_torchrun(timeout=30)
     last = os.path.join(tmp, "last")
     try:
         _fit(6, callbacks=[_every(last, "last")], plugins=[DieDuringSecondSave()], timeout=30)
@@ -220,7 +321,7 @@ def _killed_save(tmp: str, port: int) -> dict:
 
 def test_a_save_killed_midway_leaves_the_previous_checkpoint_whole(tmp_path):
     """Before: last.ckpt held stage 0 at step 4 and a broken stage 1 file."""
-    (survivor,) = spawn(2, _killed_save, str(tmp_path), free_port(), timeout=120, reporting=1)
+    (survivor,) = spawn(2, _killed_save, str(tmp_path), timeout=120, reporting=1)
     assert survivor["error"].startswith("PeerFailure") and "while checkpoint" in survivor["error"], survivor["error"]
     assert survivor["listing"] == ["last.ckpt"]  # the partial save was removed
     assert survivor["steps"] == [2, 2]

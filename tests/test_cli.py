@@ -15,8 +15,8 @@ REPO = Path(__file__).resolve().parents[1]
 SMALL_DATA = ["--data.max_chars", "400000", "--data.val_batches", "2", "--data.progress", "false"]
 
 
-def run_cli(tmp_path: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
+def run_cli(tmp_path: Path, *args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONWARNINGS="ignore", **(env or {}))
     cmd = [sys.executable, "-m", "lightning_async.cli", *args]
     return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -137,3 +137,22 @@ def test_nominal_costs_count_flops_and_parameters_exactly():
     # the activation estimate of a block is within 20% of what autograd saves
     measured = measure_model("tiny", 64, 2, "cpu", "float32", reps=1)["units"]["block"]["activation_bytes"]
     assert 0.8 * measured < block["activation_bytes"] < 1.2 * measured
+
+
+@pytest.mark.slow
+def test_top_level_help_lists_every_command_and_leaves_theirs_alone(tmp_path):
+    """Before: `lightning-async --help` listed fit, validate, test and predict only."""
+    from lightning_async.cli import TOOL_SUMMARIES, TOOLS
+
+    assert set(TOOL_SUMMARIES) == set(TOOLS) - {"simulate"}  # (`simulate`: the old name of `plan`, not advertised)
+    env = {"COLUMNS": "80"}
+    top = run_cli(tmp_path, "--help", env=env)
+    assert top.returncode == 0, top.stderr[-2000:]
+    for command in ("fit", "validate", "test", "predict"):
+        assert f"\n    {command} " in top.stdout
+    for command, summary in TOOL_SUMMARIES.items():
+        assert f"\n  {command:<9}{summary}\n" in top.stdout  # one line each
+    assert max(len(line) for line in top.stdout.splitlines()) <= 80
+    own = run_cli(tmp_path, "test", "--help", env=env)
+    assert own.returncode == 0 and own.stdout.startswith("usage: cli.py [options] test")
+    assert "more commands" not in own.stdout and "make sure you never run on your\n" in own.stdout  # LightningCLI's own

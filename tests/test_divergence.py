@@ -10,7 +10,7 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from _pipeline_harness import free_port, spawn
+from _pipeline_harness import as_torchrun, spawn
 from test_strategy import SHAPE, TinyData
 
 from lightning_async.callbacks import Diverged, DivergenceGuard
@@ -77,12 +77,8 @@ def test_finite_training_is_left_alone(tmp_path):
 
 
 # ---- pipeline: every rank stops at the same step; the strategy guards by default -----------------------------
-def _pipeline_divergence(tmp: str, port: int) -> dict:
-    import torch.distributed as dist
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dist.destroy_process_group()
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_PORT=str(port))
+def _pipeline_divergence(tmp: str) -> dict:
+    rank = as_torchrun()
     out = {}
     # keep going (explicit guard): trains to max_steps, marks the run
     kept = _trainer(os.path.join(tmp, "kept"), callbacks=[DivergenceGuard(stop=False)], strategy=AsyncPipelineStrategy(n_microbatches=2), devices=2)
@@ -99,12 +95,38 @@ def _pipeline_divergence(tmp: str, port: int) -> dict:
         out["stopped"] = {"error": str(err), "steps": stopped.global_step}
         if rank == 0:
             out["stopped"]["marker"] = _marker(stopped)
+    out["ddp"] = _ddp_divergence_on_one_rank(tmp, rank)
+    return out
+
+
+class NanOnOneRank(CausalLM):
+    """Rank ``rank``'s loss is NaN at step ``step`` (say a bad batch in its shard); the other ranks' are finite."""
+
+    def __init__(self, rank: int, step: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.nan_rank, self.nan_step = rank, step
+
+    def _loss(self, batch):
+        loss = super()._loss(batch)
+        return loss * float("nan") if (self.global_rank, self.global_step) == (self.nan_rank, self.nan_step) else loss
+
+
+def _ddp_divergence_on_one_rank(tmp: str, rank: int) -> dict:
+    trainer = _trainer(os.path.join(tmp, "ddp"), callbacks=[DivergenceGuard()], strategy="ddp", devices=2)
+    L.seed_everything(0)
+    try:
+        trainer.fit(NanOnOneRank(1, 2, vocab_size=257, model_overrides=SHAPE, lr=1e-3), datamodule=TinyData())
+        out = {"error": None}
+    except Exception as err:
+        out = {"error": f"{type(err).__name__}: {err}", "steps": trainer.global_step}
+    if rank == 0 and os.path.exists(os.path.join(trainer.logger.log_dir, "DIVERGED")):
+        out["marker"] = _marker(trainer)
     return out
 
 
 @pytest.fixture(scope="module")
 def pipeline_divergence(tmp_path_factory):
-    return spawn(2, _pipeline_divergence, str(tmp_path_factory.mktemp("diverge")), free_port(), timeout=240)
+    return spawn(2, _pipeline_divergence, str(tmp_path_factory.mktemp("diverge")), timeout=240)
 
 
 def test_pipeline_stops_every_rank_at_the_same_step_by_default(pipeline_divergence):
@@ -113,6 +135,16 @@ def test_pipeline_stops_every_rank_at_the_same_step_by_default(pipeline_divergen
     assert first["error"] and "Training diverged: train/loss = nan" in first["error"], first
     assert first["error"] == second["error"] and first["steps"] == second["steps"] < 10
     assert f"at step {first['marker']['step']}." in first["error"]
+
+
+@pytest.mark.slow
+def test_data_parallel_ranks_stop_together_when_one_rank_diverges(pipeline_divergence):
+    """Before: only the rank whose loss was NaN raised Diverged; the other trained on into a collective with a rank
+    that had left (a gloo error, or a hang until the group's timeout)."""
+    first, second = (rank["ddp"] for rank in pipeline_divergence)
+    assert second["error"].startswith("Diverged: Training diverged: train/loss = nan at step 2."), second
+    assert first["error"] == second["error"] and first["steps"] == second["steps"] == 3, (first, second)
+    assert first["marker"] == {"step": 2, "metric": "train/loss", "value": "nan"}  # rank 0 saw a finite loss
 
 
 def test_pipeline_keeps_going_when_asked(pipeline_divergence):

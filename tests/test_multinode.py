@@ -15,7 +15,7 @@ import lightning as L
 import pytest
 import torch.distributed as dist
 
-from _pipeline_harness import free_port, spawn
+from _pipeline_harness import as_torchrun, spawn
 from lightning_async.data import TextDataModule
 from lightning_async.lm import CausalLM
 from lightning_async.strategies import AsyncPipelineStrategy
@@ -36,11 +36,9 @@ class Batches(L.Callback):
         self.seen.append(hash(tuple(batch[:, :8].flatten().tolist())))
 
 
-def _two_nodes(tmp: str, port: int) -> dict:
-    rank = dist.get_rank()
-    dist.destroy_process_group()  # Lightning opens its own, from torchrun's variables
-    os.environ.update(RANK=str(rank), GROUP_RANK=str(rank), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", WORLD_SIZE="2",
-                      MASTER_PORT=str(port), TORCHELASTIC_RUN_ID="two-nodes")
+def _two_nodes(tmp: str) -> dict:
+    rank = dist.get_rank()  # one process per node, with torchrun's variables
+    as_torchrun(GROUP_RANK=str(rank), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", TORCHELASTIC_RUN_ID="two-nodes")
     L.seed_everything(100 + rank)  # deliberately different per rank
     data = TextDataModule(source="stdlib", max_chars=300_000, seq_len=32, batch_size=8, val_batches=2,
                           cache_dir=os.path.join(tmp, f"cache-node{rank}"), progress=False)
@@ -60,7 +58,7 @@ def _two_nodes(tmp: str, port: int) -> dict:
 
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory):
-    return spawn(2, _two_nodes, str(tmp_path_factory.mktemp("nodes")), free_port(), timeout=240)
+    return spawn(2, _two_nodes, str(tmp_path_factory.mktemp("nodes")), timeout=240)
 
 
 def test_torchrun_multinode_environment_is_lightnings(nodes):

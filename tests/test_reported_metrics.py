@@ -27,10 +27,11 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
 from _pipeline_harness import SHAPE as HARNESS_SHAPE
-from _pipeline_harness import free_port, spawn
+from _pipeline_harness import spawn
 from lightning_async.callbacks import DelaySimulation
 from lightning_async.data.sampler import ResumableShuffleSampler
 from lightning_async.lm import CausalLM
+from lightning_async.pipeline.local import join_default_group
 from lightning_async.strategies import AsyncPipelineStrategy
 
 pytestmark = pytest.mark.slow
@@ -127,15 +128,15 @@ def _pipeline_validate(model: CausalLM) -> dict:
     return {"val": val, "test": test}
 
 
-TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR")
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
 
 
-def _in_world(size: int, port: int, fn, *args):
+def _in_world(size: int, fn, *args):
     """Run ``fn`` as torchrun would on ranks ``0..size-1`` of the spawn (a fresh default group); None elsewhere."""
     rank = int(os.environ["SPAWN_RANK"])
-    if rank >= size:
+    if not join_default_group(300, world=size):
         return None
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size))
     try:
         return fn(*args)
     finally:
@@ -145,26 +146,24 @@ def _in_world(size: int, port: int, fn, *args):
             os.environ.pop(key, None)
 
 
-def _all_scenarios(tmp: str, ports: list[int]) -> dict:
+def _all_scenarios(tmp: str) -> dict:
     os.environ["SPAWN_RANK"] = str(dist.get_rank())
-    dist.destroy_process_group()  # each scenario makes its own, as Lightning does from the environment
-    for key in TORCHRUN_VARIABLES:
-        os.environ.pop(key, None)
+    dist.destroy_process_group()  # each scenario gets its own default group
     validated = _validate_on_one_device() if int(os.environ["SPAWN_RANK"]) < 2 else None
     out = {"before": None if validated is None else {"single": validated[1], "state": {k: v.clone() for k, v in validated[0].state_dict().items()}}}
-    ports = iter(ports)
     for name, (stages, replicas, _) in SCENARIOS.items():
-        out[name] = _in_world(stages * replicas, next(ports), _pipeline_fit, name, tmp)
+        out[name] = _in_world(stages * replicas, _pipeline_fit, name, tmp)
+    # (every rank joins the same sequence of groups: the ones outside a world skip it)
+    joined = _in_world(2, _pipeline_validate, validated[0]) if validated is not None else _in_world(2, lambda: None)
     if validated is not None:
-        out["after_single_device"] = _in_world(2, next(ports), _pipeline_validate, validated[0])
+        out["after_single_device"] = joined
     return out
 
 
 @pytest.fixture(scope="module")
 def reported(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("reported"))
-    ports = [free_port() for _ in range(len(SCENARIOS) + 1)]
-    return spawn(4, _all_scenarios, tmp, ports, timeout=600)
+    return spawn(4, _all_scenarios, tmp, timeout=600)
 
 
 def _single_device_eval(state: dict) -> tuple[float, float]:

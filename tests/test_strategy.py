@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from _pipeline_harness import SHAPE as HARNESS_SHAPE
-from _pipeline_harness import free_port, spawn
+from _pipeline_harness import as_torchrun, spawn
 from lightning_async.callbacks import DelaySimulation, ErrorFeedback
 from lightning_async.lm import CausalLM
 from lightning_async.pipeline.partition import partition_units
@@ -132,19 +132,15 @@ def _pipeline_fits(tmp: str) -> dict:
     return out
 
 
-def _as_torchrun(tmp: str, port: int) -> dict:
-    import torch.distributed as dist
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dist.destroy_process_group()  # Lightning opens its own, from the environment
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_PORT=str(port))
+def _as_torchrun(tmp: str) -> dict:
+    as_torchrun()
     return _pipeline_fits(tmp)
 
 
 @pytest.fixture(scope="module")
 def pipeline_fits(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("pipe"))
-    return spawn(2, _as_torchrun, tmp, free_port(), timeout=300)
+    return spawn(2, _as_torchrun, tmp, timeout=300)
 
 
 def _merged(per_rank: list, key: str) -> dict:

@@ -4,10 +4,13 @@ On the first non-finite value it writes ``DIVERGED`` (JSON: ``step`` as in ``met
 ``value`` as a string such as ``"nan"``) into the logger's ``log_dir`` on rank 0, which ``study`` and ``compare`` read. With
 ``stop=True`` (the default) every rank raises :class:`Diverged` naming the step, so the fit exits non-zero.
 
-Under a pipeline strategy the guard watches the loss only: it reaches every rank through the runtime's
-reduction at the same step (one step late under 2BW), so every rank stops at the same step and none is
-left waiting for another. The gradient norm is not watched there, because each stage applies (and logs)
-a batch's update at its own moment; a non-finite norm makes the next loss non-finite anyway.
+Every rank decides alike. Under data parallelism (DDP, FSDP, ...) each rank's loss is its own shard's, so
+the watched values are summed over the ranks (``strategy.reduce``, one small all-reduce per step) and a
+non-finite value on any rank stops every rank at the same step. Under a pipeline strategy the guard watches
+the loss only: it reaches every rank through the runtime's reduction at the same step (one step late under
+2BW), so no reduction is needed (a world collective per step would also hold the stages in lockstep). The
+gradient norm is not watched there, because each stage applies (and logs) a batch's update at its own
+moment; a non-finite norm makes the next loss non-finite anyway.
 """
 
 from __future__ import annotations
@@ -37,6 +40,18 @@ def _training_loss(outputs) -> torch.Tensor | None:
     return outputs if isinstance(outputs, torch.Tensor) else None
 
 
+def _as_float(value) -> float:
+    return float(value.detach().float().cpu()) if isinstance(value, torch.Tensor) else float(value)
+
+
+def _summed_over_ranks(strategy, watched: dict[str, float], metrics: list[str]) -> dict[str, float]:
+    """Each of ``metrics`` summed over the ranks that watch it (a collective: every rank passes the same
+    ``metrics``); a non-finite value on any rank makes the sum non-finite."""
+    values = [[watched.get(m, 0.0) for m in metrics], [float(m in watched) for m in metrics]]
+    summed = strategy.reduce(torch.tensor(values, device=strategy.root_device), reduce_op="sum").cpu()
+    return {m: float(summed[0, i]) for i, m in enumerate(metrics) if summed[1, i] > 0}
+
+
 def _logged_step(trainer: Trainer) -> int:
     """The step under which the loggers record this batch's metrics (the ``step`` column of ``metrics.csv``)."""
     stepped = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", None)
@@ -58,21 +73,22 @@ class DivergenceGuard(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.diverged = None
 
-    def _watched(self, trainer: Trainer, outputs) -> dict[str, torch.Tensor]:
+    def _watched(self, trainer: Trainer, outputs) -> dict[str, float]:
+        """The watched values of this step: this rank's, or (data parallel) their sums over the ranks."""
         metrics = trainer.callback_metrics
-        watched = {}
-        loss = metrics.get(LOSS, _training_loss(outputs))
-        if loss is not None:
-            watched[LOSS] = loss
-        if GRAD_NORM in metrics and pipeline_schedule(trainer) is None:
-            watched[GRAD_NORM] = metrics[GRAD_NORM]
+        pipeline = pipeline_schedule(trainer) is not None
+        found = {LOSS: metrics.get(LOSS, _training_loss(outputs))}
+        if not pipeline:
+            found[GRAD_NORM] = metrics.get(GRAD_NORM)
+        watched = {metric: _as_float(value) for metric, value in found.items() if value is not None}
+        if trainer.world_size > 1 and not pipeline:
+            watched = _summed_over_ranks(trainer.strategy, watched, list(found))
         return watched
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
         if self.diverged is not None and not self.stop:
             return  # recorded once; keep going
         for metric, value in self._watched(trainer, outputs).items():
-            value = float(value.detach().float().cpu()) if isinstance(value, torch.Tensor) else float(value)
             if math.isfinite(value):
                 continue
             step = _logged_step(trainer)

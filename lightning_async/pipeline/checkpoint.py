@@ -4,10 +4,11 @@
 
 Writing is atomic as a directory: the stages write into ``<path>.partial``, then rank 0 writes
 ``meta.json`` (the completion marker, always last) and renames the directory into place (an older
-checkpoint of the same name is moved to ``<path>.old`` for the instant of the swap, then removed). A crash
-at any moment leaves either the old or the new checkpoint whole; :func:`resolve` finds it even in the
-instant between the two renames. On load, every stage file must belong to the same step, schedule and
-split (:func:`mismatch`).
+checkpoint of the same name is moved to ``<path>.old`` for the instant of the swap, then removed; a plain
+file or a foreign directory at ``<path>`` is kept as ``<path>.kept``). A crash at any moment leaves either
+the old or the new checkpoint whole; :func:`resolve` finds it even in the instant between the two renames,
+and :func:`recover` finishes what such a crash left (the swap, the removal, a killed save's stage files).
+On load, every stage file must belong to the same step, schedule and split (:func:`mismatch`).
 
 :func:`consolidate` merges the stages' weights into the state dict of the plain, unsplit module, for
 evaluation or export (``CausalLM(...).load_state_dict(consolidate(path))``).
@@ -17,8 +18,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -43,7 +47,10 @@ def is_complete(path: str | os.PathLike) -> bool:
 
 
 def begin_save(path: str | os.PathLike) -> str:
-    """Rank 0, before any stage writes: an empty staging directory (a killed save's leftovers removed)."""
+    """Rank 0, before any stage writes: an empty staging directory, after :func:`recover` of its directory (so an
+    interrupted save of the same name is finished, not thrown away, and killed saves leave nothing behind)."""
+    for repair in recover(os.path.dirname(os.path.abspath(path))):
+        warnings.warn(str(repair), stacklevel=2)
     staging = staging_dir(path)
     shutil.rmtree(staging, ignore_errors=True)
     os.makedirs(staging)
@@ -57,19 +64,111 @@ def discard_save(path: str | os.PathLike) -> None:
 
 def publish(path: str | os.PathLike, meta: dict) -> None:
     """Rank 0, after every stage wrote its file: write the marker last, then move the checkpoint into place."""
-    path, staging = os.fspath(path), staging_dir(path)
-    marker = os.path.join(staging, MARKER)
+    marker = os.path.join(staging_dir(path), MARKER)
     with open(marker + ".tmp", "w") as f:
         json.dump(meta, f, indent=1)
     os.replace(marker + ".tmp", marker)
+    _move_into_place(os.fspath(path))
+
+
+def _move_into_place(path: str) -> None:
+    """The complete staging directory of ``path`` becomes ``path`` (the two renames of a save)."""
+    staging, previous = staging_dir(path), _previous_dir(path)
+    if os.path.lexists(path) and not _holds_only_checkpoint_files(path):
+        kept = _unused_name(path + ".kept")  # not ours (a plain .ckpt file, another tool's directory): keep it
+        os.rename(path, kept)
+        warnings.warn(f"{path} was not a pipeline checkpoint directory; it is kept as {kept} and the pipeline "
+                      "checkpoint is written in its place.", stacklevel=3)
     if os.path.exists(path):  # a checkpoint overwritten in place (``last.ckpt``)
-        previous = _previous_dir(path)
-        shutil.rmtree(previous, ignore_errors=True)
+        if os.path.lexists(previous) and not _remove_ours(previous):
+            previous = _unused_name(previous)  # (something else is called <path>.old)
         os.rename(path, previous)
         os.rename(staging, path)
         shutil.rmtree(previous)
     else:
         os.rename(staging, path)
+
+
+# what a pipeline checkpoint directory holds (and all that :func:`recover` ever removes)
+_CHECKPOINT_FILE = re.compile(r"stage-\d+\.ckpt|meta\.json(\.tmp)?")
+
+
+def _holds_only_checkpoint_files(path: str) -> bool:
+    return os.path.isdir(path) and not os.path.islink(path) and all(_CHECKPOINT_FILE.fullmatch(f) for f in os.listdir(path))
+
+
+def _remove_ours(path: str) -> bool:
+    """Remove ``path`` if it is a (partial) pipeline checkpoint directory; whether it did."""
+    if _holds_only_checkpoint_files(path):
+        shutil.rmtree(path)
+        return True
+    return False
+
+
+def _unused_name(path: str) -> str:
+    candidate, n = path, 0
+    while os.path.lexists(candidate):
+        n += 1
+        candidate = f"{path}-{n}"
+    return candidate
+
+
+@dataclass(frozen=True)
+class Repair:
+    """What :func:`recover` did to one checkpoint: ``finished`` (an interrupted save is now in place),
+    ``restored`` (the previous checkpoint is back in place) or ``cleaned`` (leftovers removed, the checkpoint
+    unchanged)."""
+
+    path: str
+    action: str
+
+    @property
+    def changes_checkpoint(self) -> bool:
+        """Whether the checkpoint at ``path`` is now another (or newly there): a resume chosen before is stale."""
+        return self.action in ("finished", "restored")
+
+    def __str__(self) -> str:
+        return {
+            "finished": f"Pipeline checkpoint {self.path}: a crash had interrupted its save after every stage file "
+                        "and meta.json were written; the complete checkpoint is now in place.",
+            "restored": f"Pipeline checkpoint {self.path}: a crash had moved it aside during a save; it is back in place.",
+            "cleaned": f"Pipeline checkpoint {self.path}: removed what an interrupted save left next to it.",
+        }[self.action]
+
+
+def recover(directory: str | os.PathLike) -> list[Repair]:
+    """Finish or clean up every save in ``directory`` that a crash interrupted; what it did, per checkpoint.
+
+    Run by one process while no save is in progress (rank 0 before a save, or the launching process before
+    any rank starts). A complete ``<name>.partial`` (``meta.json`` is written last) is the newest checkpoint
+    of ``<name>`` and is moved into place; an incomplete one is a killed save and is removed; ``<name>.old``
+    is removed once ``<name>`` is whole (or put back if ``<name>`` is missing and no complete save replaces
+    it). Only directories that hold nothing but stage files and ``meta.json`` are ever moved or removed.
+    """
+    directory = os.fspath(directory)
+    if not os.path.isdir(directory):
+        return []
+    names = {entry[: -len(suffix)] for entry in os.listdir(directory) for suffix in (".partial", ".old") if entry.endswith(suffix)}
+    repairs = []
+    for name in sorted(names):
+        path = os.path.join(directory, name)
+        staging, previous = staging_dir(path), _previous_dir(path)
+        action = None
+        if is_complete(staging) and _holds_only_checkpoint_files(staging):
+            _move_into_place(path)
+            action = "finished"
+        elif _remove_ours(staging):
+            action = "cleaned"
+        if os.path.lexists(previous) and _holds_only_checkpoint_files(previous):
+            if not os.path.lexists(path) and is_complete(previous):
+                os.rename(previous, path)
+                action = "restored"
+            elif is_complete(path):
+                shutil.rmtree(previous)
+                action = action or "cleaned"
+        if action:
+            repairs.append(Repair(path, action))
+    return repairs
 
 
 def resolve(path: str | os.PathLike) -> str:

@@ -2,39 +2,85 @@
 
 Not a training launcher (training uses Lightning's launchers: script re-execution, torchrun, SLURM);
 this is the small harness the multi-process tests and benchmarks share.
+
+No port is chosen in advance: the calling process hosts the rendezvous store (a ``TCPStore`` bound to port 0,
+so the kernel hands out a free port and it stays bound for the whole run) and the workers connect to it as
+clients, as torchrun's agent does. Picking a "free" port first and binding it later would race with every
+other process on the machine (the old ``free_port``).
 """
 
 from __future__ import annotations
 
 import io
-import os
-import socket
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+HOST = "127.0.0.1"
 
-def free_port() -> int:
-    """A TCP port that is free on the loopback interface right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
+def host_store() -> dist.TCPStore:
+    """A rendezvous store served by this process on a port the kernel chose (``store.port``); keep a reference
+    for as long as the workers need it."""
+    return dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False)
+
+
+@dataclass
+class _Membership:
+    """This worker's place in the run: its rank, the world, the backend and the client of the run's store."""
+
+    rank: int = 0
+    world: int = 1
+    backend: str = "gloo"
+    store: dist.Store | None = None
+    generation: int = 0  # how many default groups this worker has joined (each gets its own key prefix)
+
+
+_MEMBERSHIP = _Membership()
+
+
+def join_default_group(timeout: float | timedelta | None = None, world: int | None = None) -> bool:
+    """Inside a ``run_local`` worker: (re)create the default process group through the run's store.
+
+    An existing default group is destroyed first, so a test can start Lightning on a fresh group with the
+    strategy's ``timeout`` (Lightning then uses it instead of opening its own). Every worker must call it, in the
+    same order. ``world``: only ranks ``0..world-1`` join (a smaller world inside the same processes, for tests that
+    run scenarios of several sizes in one spawn); the others are left without a group. Returns whether this rank
+    joined.
+    """
+    m = _MEMBERSHIP
+    if m.store is None:
+        raise RuntimeError("join_default_group() works only inside a run_local worker.")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    m.generation += 1
+    size = m.world if world is None else world
+    if m.rank >= size:
+        return False
+    store = dist.PrefixStore(f"group-{m.generation}", m.store)  # keys of an earlier group cannot be read back
+    kwargs = {} if timeout is None else {"timeout": timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)}
+    device_id = None
+    if m.backend == "nccl":
+        torch.cuda.set_device(m.rank)
+        # bound to its device, NCCL creates every group's communicator eagerly at new_group, as under
+        # Lightning; created lazily, the first use of a 3+ stage pipeline's group could deadlock
+        device_id = torch.device("cuda", m.rank)
+    dist.init_process_group(m.backend, store=store, rank=m.rank, world_size=size, device_id=device_id, **kwargs)
+    return True
 
 
 def _worker(rank: int, world: int, port: int, backend: str, fn: Callable, args: tuple, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     try:
-        device_id = None
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-            # bound to its device, NCCL creates every group's communicator eagerly at new_group, as under
-            # Lightning; created lazily, the first use of a 3+ stage pipeline's group could deadlock
-            device_id = torch.device("cuda", rank)
-        dist.init_process_group(backend, rank=rank, world_size=world, device_id=device_id)
+        m = _MEMBERSHIP
+        m.rank, m.world, m.backend = rank, world, backend
+        m.store = dist.TCPStore(HOST, port, is_master=False)
+        join_default_group()
         buffer = io.BytesIO()
         torch.save(fn(*args), buffer)  # bytes, not shared-memory tensors: the child may exit first
         queue.put((rank, "ok", buffer.getvalue()))
@@ -52,11 +98,12 @@ def run_local(
 
     A rank that raises makes this raise ``RuntimeError`` with its traceback. ``reporting``: how many ranks
     are expected to report (a test may kill the others); results come back for those, in rank order.
+    Inside ``fn``, :func:`join_default_group` replaces the default group with a fresh one.
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, backend, fn, args, queue)) for r in range(world)]
+    store = host_store()
+    procs = [ctx.Process(target=_worker, args=(r, world, store.port, backend, fn, args, queue)) for r in range(world)]
     for proc in procs:
         proc.start()
     results: dict[int, object] = {}
@@ -71,4 +118,5 @@ def run_local(
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
+        del store
     return [results[r] for r in sorted(results)]

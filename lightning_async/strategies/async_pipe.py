@@ -214,9 +214,11 @@ class AsyncPipelineStrategy(DDPStrategy):
                 partition_units(units, pieces, self.partition)
 
     def validate_launch(self, trainer) -> None:
-        """What the launching process checks before other ranks start: the mesh and the run's corrections."""
+        """What the launching process does before other ranks start: check the mesh and the run's corrections,
+        finish checkpoint saves a crash interrupted."""
         self.validate_mesh()
         check_corrections(trainer)
+        self.checkpoints.recover_before_launch(trainer)
 
     @override
     def setup_environment(self) -> None:
@@ -261,6 +263,7 @@ class AsyncPipelineStrategy(DDPStrategy):
             )
         self.accelerator.setup(trainer)
         self._stop_on_sigterm(trainer)
+        self.checkpoints.recover_at_setup(trainer)
         if self.data_parallel_size == 1:  # every stage reads the batches a single-device run would, in its order
             compat.keep_training_sampler(trainer)
         units = list(module.pipeline_units())
@@ -357,8 +360,9 @@ class AsyncPipelineStrategy(DDPStrategy):
         handler. Under a pipeline both hang: a world collective per step would hold the stages in lockstep (and
         deadlock against the 2BW stream, where the stages are in different batches at the same moment), and a
         handler on a rank other than 0 would wait for a broadcast rank 0 never makes. So the signalled rank
-        stops by itself at its next batch boundary (after a checkpoint save in progress, which stays whole) and
-        the ranks it started get the signal too; the other stages raise ``PeerFailure`` once it has gone.
+        stops by itself at its next batch boundary, training or evaluation (after a checkpoint save in progress,
+        which stays whole), or at the end of a validation, test or the final drain, and the ranks it started get
+        the signal too; the other stages raise ``PeerFailure`` once it has gone.
         """
         self._sigterm_received = False
 
@@ -367,14 +371,21 @@ class AsyncPipelineStrategy(DDPStrategy):
                 compat.kill_started(self._launcher, signum)
             self._sigterm_received = True
 
-        def stop_if_terminated() -> None:
-            if self._sigterm_received:
-                raise StageTerminated(
-                    f"SIGTERM: pipeline stage {self.stage} (global rank {self.global_rank}) stopped at step "
-                    f"{trainer.global_step}. The other stages stop when they notice (PeerFailure, within timeout)."
-                )
+        compat.install_sigterm_hooks(trainer, on_sigterm, lambda: self._stop_if_terminated(f"at step {trainer.global_step}"))
 
-        compat.install_sigterm_hooks(trainer, on_sigterm, stop_if_terminated)
+    def _stop_if_terminated(self, where: str) -> None:
+        """Raise :class:`StageTerminated` if this rank received SIGTERM (``where``: "at step N", ...)."""
+        if getattr(self, "_sigterm_received", False):
+            raise StageTerminated(
+                f"SIGTERM: pipeline stage {self.stage} (global rank {self.global_rank}) stopped {where}. "
+                "The other stages stop when they notice (PeerFailure, within timeout)."
+            )
+
+    def _stop_if_terminated_in_evaluation(self, batch_idx: int | None = None) -> None:
+        trainer = self.lightning_module.trainer
+        what = trainer.state.stage.value if trainer.state.stage is not None else "evaluation"
+        at = f"at {what} batch {batch_idx}" if batch_idx is not None else f"at the end of {what}"
+        self._stop_if_terminated(f"{at} (step {trainer.global_step})")
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -418,15 +429,27 @@ class AsyncPipelineStrategy(DDPStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any):
+        self._stop_if_terminated_in_evaluation(args[1] if len(args) > 1 else None)
         loss = self.runtime.eval_batch(args[0])
         self._log_loss("val", loss, args[0])
         return loss
 
     @override
     def test_step(self, *args: Any, **kwargs: Any):
+        self._stop_if_terminated_in_evaluation(args[1] if len(args) > 1 else None)
         loss = self.runtime.eval_batch(args[0])
         self._log_loss("test", loss, args[0])
         return loss
+
+    @override
+    def on_validation_end(self) -> None:
+        super().on_validation_end()
+        self._stop_if_terminated_in_evaluation()
+
+    @override
+    def on_test_end(self) -> None:
+        super().on_test_end()
+        self._stop_if_terminated_in_evaluation()
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any):
@@ -443,6 +466,7 @@ class AsyncPipelineStrategy(DDPStrategy):
         if self.runtime is not None:
             self.runtime.drain()
             self.log_memory()
+        self._stop_if_terminated(f"after the final drain (step {self.lightning_module.trainer.global_step})")
 
     def log_memory(self) -> list[dict]:
         """Gather every rank's :meth:`PipelineRuntime.memory_report`; log it per stage (MiB) on rank 0."""

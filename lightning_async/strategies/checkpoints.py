@@ -15,6 +15,7 @@ from typing import Any
 import torch.distributed as dist
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_async.pipeline import checkpoint as layout
 from lightning_async.pipeline.p2p import PeerFailure
@@ -64,6 +65,38 @@ class PipelineCheckpoints:
                 f"A pipeline rank stopped answering while checkpoint {filepath} was saved ({err}). The partial save is "
                 "removed; earlier checkpoints are whole. Look at the other ranks' logs for the original error."
             ) from err
+
+    # ---- saves a crash interrupted -------------------------------------------------------------------
+    def recover_before_launch(self, trainer) -> None:
+        """In the process that starts the others, before it does (Lightning's script and spawn launchers): finish the
+        saves a crash interrupted in the checkpoint callbacks' directories, so ``ckpt_path="last"`` sees the newest
+        checkpoint. Ranks started by torchrun or SLURM all run this too, at once: they leave it to setup."""
+        if self.strategy.cluster_environment.creates_processes_externally:
+            return
+        for repair in self._recover(trainer):
+            rank_zero_info(str(repair))
+
+    def recover_at_setup(self, trainer) -> None:
+        """On every rank (a collective): the same, by rank 0. Under torchrun or SLURM no process runs before the
+        ranks, and Lightning resolves ``ckpt_path`` (``"last"``) before the strategy's setup, so a checkpoint this
+        repair puts in place may not be the one this run resumes from: every rank refuses, and the next start
+        resumes from it. (Under Lightning's own launchers the repair happened before launch; nothing is left.)"""
+        repairs = self._recover(trainer) if self.strategy.global_rank == 0 else None
+        if dist.is_initialized() and self.strategy.world > 1:
+            repairs = self.strategy.broadcast(repairs)
+        changed = [r for r in repairs if r.changes_checkpoint]
+        if changed:
+            raise ValueError(
+                " ".join(str(r) for r in changed) + " This run chose its checkpoint (ckpt_path) before the repair: "
+                "start it again to resume from the repaired checkpoint."
+            )
+        for repair in repairs:
+            rank_zero_info(str(repair))
+
+    @staticmethod
+    def _recover(trainer) -> list:
+        directories = sorted({str(cb.dirpath) for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)})
+        return [repair for directory in directories for repair in layout.recover(directory)]
 
     # ---- load -------------------------------------------------------------------------------------
     def load(self, checkpoint_path) -> dict[str, Any]:
