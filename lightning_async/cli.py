@@ -31,6 +31,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from lightning_async import compat
 from lightning_async.strategies import AsyncPipelineStrategy  # (importing registers async_pipe / sync_pipe)
 from lightning_async.callbacks import DelayCorrection, DelaySimulation, DivergenceGuard, ErrorFeedback, RunTelemetry
 from lightning_async.callbacks.delay import check_corrections
@@ -222,12 +223,11 @@ class AsyncCLI(LightningCLI):
     def _add_instantiators(self) -> None:
         """LightningCLI's instantiators (model and data: they save the hyperparameters) and a default one
         for every other class, all recording constructor errors. Relies on jsonargparse's
-        ``ArgumentParser._instantiators`` registry (4.53); tests/test_cli_errors.py fails if it changes."""
+        ``ArgumentParser._instantiators`` registry through ``compat.wrap_instantiators`` (guarded in tests/test_compat.py).
+        ``_add_instantiators`` is the hook LightningCLI calls to add them."""
         super()._add_instantiators()
         self.constructor_errors = ConstructorErrors()
-        registry = getattr(self.parser, "_instantiators", None) or {}
-        for key, instantiator in list(registry.items()):
-            registry[key] = self.constructor_errors.around(instantiator)
+        compat.wrap_instantiators(self.parser, self.constructor_errors.around)
         self.parser.add_instantiator(self.constructor_errors.around(construct), object)
 
     def instantiate_classes(self) -> None:

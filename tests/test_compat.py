@@ -1,4 +1,4 @@
-"""Guards for the private Lightning and torch internals ``lightning_async.strategies.compat`` relies on.
+"""Guards for the private Lightning, jsonargparse and torch internals ``lightning_async.compat`` relies on.
 
 Each test fails, by name, when an upgrade moves or renames the internal a patch needs (instead of a pipeline that
 hangs or trains with a wrong sampler).
@@ -15,7 +15,8 @@ import pytest
 import torch
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 
-from lightning_async.strategies import AsyncPipelineStrategy, compat
+from lightning_async import compat
+from lightning_async.strategies import AsyncPipelineStrategy
 
 
 def _trainer(**kwargs) -> L.Trainer:
@@ -89,3 +90,58 @@ def test_kill_started_reaches_the_launched_processes(signum) -> None:
     strategy.launcher.procs = [child]
     compat.kill_started(strategy.launcher, signum)
     assert child.wait(timeout=10) != 0
+
+
+def test_a_rebound_scheduler_neither_warns_nor_loses_step_tracking() -> None:
+    class Wrapper:
+        def __init__(self, inner):
+            self.inner, self.param_groups, self.calls = inner, inner.param_groups, 0
+
+        def step(self):
+            self.calls += 1
+            self.inner.step()
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    wrapper = Wrapper(optimizer)
+    compat.rebind_lr_scheduler(scheduler, wrapper)
+    compat.rebind_lr_scheduler(scheduler, wrapper)  # idempotent: one tracking layer
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        wrapper.step()
+        scheduler.step()
+    assert [str(w.message) for w in caught if "lr_scheduler" in str(w.message)] == []
+    assert scheduler.optimizer is wrapper and wrapper.calls == 1
+
+
+def test_the_loop_counters_the_callbacks_read_exist() -> None:
+    class Tiny(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+            self.seen = []
+
+        def training_step(self, batch, batch_idx):
+            self.seen.append((compat.logged_step(self.trainer), compat.batches_started_this_epoch(self.trainer)))
+            return self.layer(batch[0]).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(3, 2)), batch_size=1)
+    module = Tiny()
+    _trainer(max_steps=3, enable_progress_bar=False, enable_model_summary=False).fit(module, data)
+    assert module.seen == [(0, 1), (1, 2), (2, 3)]
+    assert getattr(_TrainingEpochLoop, "_batches_that_stepped", None) is None  # an instance attribute, set in init
+    assert hasattr(_trainer().fit_loop.epoch_loop, "_batches_that_stepped")
+
+
+def test_the_cli_instantiator_registry_is_wrapped() -> None:
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_instantiator(lambda cls, *args, **kwargs: cls(*args, **kwargs), torch.nn.Module)
+    assert parser._instantiators, "jsonargparse moved its instantiator registry"
+    wrapped = []
+    compat.wrap_instantiators(parser, lambda inner: wrapped.append(inner) or inner)
+    assert len(wrapped) == len(parser._instantiators)

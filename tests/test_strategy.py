@@ -19,7 +19,8 @@ from lightning_async.callbacks import DelaySimulation, ErrorFeedback
 from lightning_async.lm import CausalLM
 from lightning_async.pipeline.partition import partition_units
 from lightning_async.data.sampler import ResumableDataLoader, ResumableShuffleSampler, trainer_position
-from lightning_async.strategies import AsyncPipelineStrategy, compat
+from lightning_async import compat
+from lightning_async.strategies import AsyncPipelineStrategy
 from lightning_async.optim import build_correction
 from lightning_async.pipeline.contract import check_pipeline_contract
 from lightning_async.pipeline.runtime import PipelineRuntime

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from lightning_async import compat
 from lightning_async.optim.corrections import NO_CORRECTION, build_correction, check_applicable
 from lightning_async.optim.delay import DelayedOptimizer, check_delay
 from lightning_async.pipeline import profiles
@@ -34,7 +35,7 @@ def _wrap_configured(result, wrap):
         for s in schedulers:
             sched = s["scheduler"] if isinstance(s, dict) else s
             if getattr(sched, "optimizer", None) is old:
-                sched.optimizer = new
+                compat.rebind_lr_scheduler(sched, new)
 
     if isinstance(result, Optimizer):
         return wrap(result)

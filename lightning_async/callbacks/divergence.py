@@ -23,6 +23,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_async import compat
 from lightning_async.callbacks.delay import pipeline_schedule
 from lightning_async.identity import DIVERGED_FILE
 
@@ -51,11 +52,6 @@ def _summed_over_ranks(strategy, watched: dict[str, float], metrics: list[str]) 
     summed = strategy.reduce(torch.tensor(values, device=strategy.root_device), reduce_op="sum").cpu()
     return {m: float(summed[0, i]) for i, m in enumerate(metrics) if summed[1, i] > 0}
 
-
-def _logged_step(trainer: Trainer) -> int:
-    """The step under which the loggers record this batch's metrics (the ``step`` column of ``metrics.csv``)."""
-    stepped = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", None)
-    return int(stepped) if stepped is not None else max(0, trainer.global_step - 1)
 
 
 class DivergenceGuard(Callback):
@@ -91,7 +87,7 @@ class DivergenceGuard(Callback):
         for metric, value in self._watched(trainer, outputs).items():
             if math.isfinite(value):
                 continue
-            step = _logged_step(trainer)
+            step = compat.logged_step(trainer)
             self.diverged = {"step": step, "metric": metric, "value": str(value)}
             where = self._record(trainer)
             message = (

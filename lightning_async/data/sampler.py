@@ -21,7 +21,9 @@ ResumePoint = Callable[[], "tuple[int, int]"]
 
 def trainer_position(trainer) -> ResumePoint:
     """The :data:`ResumePoint` of a Lightning ``Trainer``: its epoch and the batches of it already trained."""
-    return lambda: (trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_progress.current.ready)
+    from lightning_async import compat
+
+    return lambda: (trainer.current_epoch, compat.batches_started_this_epoch(trainer))
 
 
 class ResumableShuffleSampler(DistributedSampler):

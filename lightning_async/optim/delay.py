@@ -203,13 +203,7 @@ class DelayedOptimizer(OptimizerWrapper):
         else:
             self._stash_step()
         self.steps_taken += 1
-        self._opt_called = True  # what torch's LRScheduler records on the optimizers it patches
         return loss
-
-    # Schedulers built on the wrapped optimizer are rebound to this wrapper (Lightning requires it); torch's
-    # LRScheduler checks this marker on ``optimizer.step`` and would otherwise warn that ``step()`` was
-    # overridden after the scheduler was created.
-    step._wrapped_by_lr_sched = True
 
     def _fifo_step(self) -> None:
         queue = self._grad_queue

@@ -5,7 +5,7 @@ LightningModule down to this rank's stage (:mod:`~lightning_async.pipeline.stage
 groups, hands training, evaluation and logging of the loss to the runtime, and saves per-stage checkpoints
 (:mod:`~lightning_async.strategies.checkpoints`). Launching, cluster environments (torchrun, SLURM) and the
 process-group connection are Lightning's own, inherited from ``DDPStrategy``; the few private Lightning
-internals it touches are in :mod:`~lightning_async.strategies.compat`.
+internals it touches are in :mod:`~lightning_async.compat`.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from lightning_async.pipeline.partition import partition_units
 from lightning_async.pipeline.rank import build_rank
 from lightning_async.pipeline.runtime import PipelineRuntime
 from lightning_async.pipeline.stage import RankStage, prune_to_stage
-from lightning_async.strategies import compat
+from lightning_async import compat
 from lightning_async.strategies.checkpoints import PipelineCheckpoints
 from lightning_async.strategies.memory_log import gather_memory_reports, log_memory_reports
 

@@ -1,8 +1,10 @@
-"""Every place the pipeline strategy reaches into Lightning's (or torch's) private internals, one function each.
+"""Every place the package reaches into Lightning's, jsonargparse's or torch's private internals, one function each.
 
 Written against Lightning 2.6 (:data:`LIGHTNING_TARGET`) and torch 2.9-2.14. ``tests/test_compat.py`` checks that
 each internal still exists with the shape used here, so an upgrade that moves one fails there, by name, instead of
-hanging a pipeline. Nothing else in the package touches these attributes.
+hanging a pipeline. Nothing else in the package touches these attributes. (It sits at the top of the package, not
+under ``strategies/``: the callbacks, the data sampler and the CLI need it too, and ``strategies`` imports the
+callbacks.)
 
 Why each one is needed:
 
@@ -13,7 +15,11 @@ Why each one is needed:
 * the launchers: the configuration must be checked before other ranks start, and the spawn launcher must hand the
   whole model's state dict (not rank 0's stage) back to the main process;
 * torch's LRScheduler marker: the batch's update is applied later (under 2BW) with the lr recorded now, so the
-  scheduler may step first; it warns unless the optimizer looks stepped.
+  scheduler may step first; it warns unless the optimizer looks stepped. A scheduler rebound to the delay
+  simulation's optimizer wrapper gets the same step tracking torch gives the optimizer it was built on;
+* the loop counters: the step the loggers record a batch under (``DivergenceGuard``'s marker) and the batches of
+  the epoch already started (the resumable sampler's position);
+* jsonargparse's instantiator registry: the CLI wraps every instantiator to report constructor errors as one line.
 """
 
 from __future__ import annotations
@@ -57,6 +63,41 @@ def kill_started(launcher, signum: int | None = None) -> None:
 def mark_optimizer_stepped(optimizer) -> None:
     """What torch's ``LRScheduler`` records on the optimizers it patches when they step."""
     getattr(optimizer, "optimizer", optimizer)._opt_called = True
+
+
+def rebind_lr_scheduler(scheduler, optimizer) -> None:
+    """Point ``scheduler`` at ``optimizer`` (a wrapper of the one it was built on) and track ``optimizer.step`` the
+    way torch's ``LRScheduler`` tracks the optimizer it is built on (so it neither warns that ``step`` was replaced
+    nor that the scheduler stepped first)."""
+    scheduler.optimizer = optimizer
+    step = optimizer.step
+    if getattr(step, "_wrapped_by_lr_sched", False):
+        return
+
+    def tracked(*args, **kwargs):
+        optimizer._opt_called = True
+        return step(*args, **kwargs)
+
+    tracked._wrapped_by_lr_sched = True
+    optimizer.step = tracked
+
+
+def logged_step(trainer) -> int:
+    """The step the loggers record this batch's metrics under (the ``step`` column of ``metrics.csv``)."""
+    stepped = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", None)
+    return int(stepped) if stepped is not None else max(0, trainer.global_step - 1)
+
+
+def batches_started_this_epoch(trainer) -> int:
+    """Batches of the current epoch the fit loop has started (restored from a checkpoint's loop state)."""
+    return trainer.fit_loop.epoch_loop.batch_progress.current.ready
+
+
+def wrap_instantiators(parser, wrap: Callable) -> None:
+    """Wrap every instantiator jsonargparse's parser holds (``ArgumentParser._instantiators``, 4.53) with ``wrap``."""
+    registry = getattr(parser, "_instantiators", None) or {}
+    for key, instantiator in list(registry.items()):
+        registry[key] = wrap(instantiator)
 
 
 class ValidatingLauncher:
