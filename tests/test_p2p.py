@@ -84,3 +84,16 @@ def test_nccl_like_sends_are_freed_once_complete(fake_sends):
         w.ran = True
     _send_grad_like(t, 1)  # the next exchange reaps the completed ones
     assert len(t._pending_sends) == 1 and not any(w.waited for w in made)
+
+
+def test_a_peer_whose_connection_resets_while_posting_is_named(monkeypatch):
+    """gloo raises from ``batch_isend_irecv`` itself (not from ``wait``) once a dead peer's connection has reset."""
+
+    def reset(ops):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:8578: Connection reset by peer")
+
+    monkeypatch.setattr(p2p.dist, "batch_isend_irecv", reset)
+    monkeypatch.setattr(p2p.dist, "P2POp", lambda *args, **kwargs: args)
+    t = StageTransport(group=None, device=torch.device("cpu"), rank_of_piece=lambda k: k + 4, stage_of_rank=lambda r: r - 4)
+    with pytest.raises(p2p.PeerFailure, match=r"stage 0 \(global rank 4\) stopped answering: .*Connection reset"):
+        t.exchange(([torch.ones(2, 3)], "grad", 1))

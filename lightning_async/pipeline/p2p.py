@@ -42,6 +42,7 @@ back for the leaves that required grad only (integer leaves never do).
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -176,28 +177,38 @@ class StageTransport:
         self._reap()
 
     # -- helpers --------------------------------------------------------------------------------
-    def _wait(self, works, peer: int) -> None:
+    @contextmanager
+    def _talking_to(self, peer: int):
+        """Turn a communication error with ``peer`` (posting or waiting: gloo raises ``RuntimeError`` as soon as a
+        dead peer's connection resets, NCCL ``DistBackendError``) into a :class:`PeerFailure` naming it."""
         try:
-            for w in works:
-                w.wait()
-        except Exception as err:  # gloo raises RuntimeError, NCCL DistBackendError
+            yield
+        except Exception as err:
             raise PeerFailure(
                 f"Pipeline stage {self.stage_of_rank(peer)} (global rank {peer}) stopped answering: {err}. "
                 "Look at that rank's log for the original error."
             ) from err
+
+    def _wait(self, works, peer: int) -> None:
+        with self._talking_to(peer):
+            for w in works:
+                w.wait()
 
     def _send_header(self, spec: BoundarySpec, peer: int, tag: int) -> None:
         self.headers_sent += 1
         payload = torch.tensor(list(spec.encode()), dtype=torch.uint8, device=self.device)
         length = torch.tensor([payload.numel()], dtype=torch.int64, device=self.device)
         for tensor in (length, payload):
-            self._pending_sends.append(([dist.isend(tensor, peer, group=self.group, tag=tag)], [tensor], peer, self.calls))
+            with self._talking_to(peer):
+                work = dist.isend(tensor, peer, group=self.group, tag=tag)
+            self._pending_sends.append(([work], [tensor], peer, self.calls))
 
     def _receive_header(self, peer: int, tag: int) -> BoundarySpec:
         length = torch.empty(1, dtype=torch.int64, device=self.device)
-        self._wait([dist.irecv(length, peer, group=self.group, tag=tag)], peer)
-        payload = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
-        self._wait([dist.irecv(payload, peer, group=self.group, tag=tag)], peer)
+        with self._talking_to(peer):
+            dist.irecv(length, peer, group=self.group, tag=tag).wait()
+            payload = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
+            dist.irecv(payload, peer, group=self.group, tag=tag).wait()
         return BoundarySpec.decode(payload.cpu().numpy().tobytes())
 
     def _activation_tensors(self, value, piece: int, peer: int) -> list[torch.Tensor]:
@@ -245,7 +256,8 @@ class StageTransport:
             self._inbox = (recv[0], recv[1], None, out, recv_peer)
         if not ops:
             return
-        works = dist.batch_isend_irecv(ops)
+        with self._talking_to(send_peer if send is not None else recv_peer):
+            works = dist.batch_isend_irecv(ops)
         if len(works) == len(ops):
             send_works, recv_works = works[: len(sent)], works[len(sent) :]
         else:  # coalesced (NCCL): one work for the whole group
@@ -266,7 +278,9 @@ class StageTransport:
         if not self.prepost_enabled or not self._shape_known(kind, piece):
             return False
         out, peer, tag = self._recv_buffers(kind, piece)
-        self._inbox = (kind, piece, [dist.irecv(x, peer, group=self.group, tag=tag) for x in out], out, peer)
+        with self._talking_to(peer):
+            works = [dist.irecv(x, peer, group=self.group, tag=tag) for x in out]
+        self._inbox = (kind, piece, works, out, peer)
         self.preposted += 1
         return True
 
