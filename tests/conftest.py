@@ -14,3 +14,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# Fixtures that start pipeline processes (one spawn shared by the module's tests) or build a wheel: every test that
+# uses one belongs to the slow tier (`python -m pytest -m "not slow"` is the edit loop; README.md, Tests).
+SLOW_FIXTURES = {"pipeline_results", "oracle_results", "pipeline_fits", "pipeline_divergence", "reported", "installed",
+                 "nodes", "uninterrupted", "refusals"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

@@ -319,6 +319,7 @@ def _killed_save(tmp: str) -> dict:
     return {"error": error, "listing": sorted(os.listdir(last)), "steps": steps}
 
 
+@pytest.mark.slow
 def test_a_save_killed_midway_leaves_the_previous_checkpoint_whole(tmp_path):
     """Before: last.ckpt held stage 0 at step 4 and a broken stage 1 file."""
     (survivor,) = spawn(2, _killed_save, str(tmp_path), timeout=120, reporting=1)

@@ -11,6 +11,8 @@ import pytest
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+pytestmark = pytest.mark.slow  # the tests here start processes or run the CLI (README.md, Tests)
+
 REPO = Path(__file__).resolve().parents[1]
 SMALL_DATA = ["--data.max_chars", "400000", "--data.val_batches", "2", "--data.progress", "false"]
 

@@ -153,6 +153,7 @@ def test_seq_len_up_to_the_maximum_is_accepted():
     check_sequence_length(CausalLM("tiny", vocab_size=257, model_overrides={"max_seq_len": 4096}), Windows())
 
 
+@pytest.mark.slow
 def test_fit_stopped_by_sigterm_exits_non_zero(tmp_path):
     """Lightning turns SIGTERM into a SystemExit without a code (exit status 0): the CLI returns 143."""
     cmd = [sys.executable, "-m", "lightning_async.cli", "fit", "--config", QUICKSTART, "--trainer.max_steps", "100000",

@@ -16,6 +16,8 @@ from test_strategy import SHAPE, TinyData
 from lightning_async.lm import CausalLM
 from lightning_async.strategies import AsyncPipelineStrategy
 
+pytestmark = pytest.mark.slow  # the tests here start processes or run the CLI (README.md, Tests)
+
 
 class DieAtBatch(L.Callback):
     """Kills this process (no clean-up, like an out-of-memory kill) at the start of a training batch."""

@@ -53,6 +53,7 @@ def test_the_tied_head_is_shared_by_the_first_and_last_stage():
     assert first.get_parameter(tied_first[0]) is last.get_parameter(tied_last[0])
 
 
+@pytest.mark.slow
 def test_the_example_script_trains(capsys):
     losses = gpt2_example().main(steps=20)
     assert losses[-1] < losses[0] - 1.0

@@ -10,6 +10,8 @@ import torch.distributed as dist
 
 from lightning_async.pipeline import local
 
+pytestmark = pytest.mark.slow  # the tests here start processes or run the CLI (README.md, Tests)
+
 
 def _sums_over_three_groups() -> list[float]:
     sums = []

@@ -209,6 +209,7 @@ def test_an_unpicklable_hook_of_ones_own_is_refused_by_name():
 
 
 # ---- one device through Lightning ------------------------------------------------------------------
+@pytest.mark.slow
 def test_delay_simulation_trains_a_moe_by_the_delayed_rule():
     from test_callbacks import LRS, STEPS, TRAIN, WEIGHT_DECAY, make_trainer, train_loader, weights
     from test_callbacks import max_diff as weight_diff

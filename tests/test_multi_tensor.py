@@ -380,6 +380,7 @@ def _shape_change_run():
     return "no error", "", time.monotonic() - start
 
 
+@pytest.mark.slow
 def test_boundary_shape_change_within_a_batch_fails_clearly_and_nobody_hangs():
     results = spawn(3, _shape_change_run, timeout=60)
     offender, middle, last = results

@@ -20,7 +20,7 @@ from lightning_async.data import TextDataModule
 from lightning_async.lm import CausalLM
 from lightning_async.strategies import AsyncPipelineStrategy
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning")]
 
 
 class Batches(L.Callback):

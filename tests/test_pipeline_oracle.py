@@ -12,6 +12,8 @@ import torch
 from _pipeline_harness import pipeline_run, reference_run, spawn
 from lightning_async.pipeline.schedules import spec
 
+pytestmark = pytest.mark.slow  # the tests here start processes or run the CLI (README.md, Tests)
+
 STEPS = 10
 # Keyed by the number of processes: (stages, schedule, optimizer, correction, clip, drain after these
 # batches, pre-posted receives[, workload]). The correction is an EF strength or the settings of another update- or

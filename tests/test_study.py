@@ -680,6 +680,7 @@ def test_probe_modes_and_bad_corrections(tmp_path):
 # ---- the real thing ---------------------------------------------------------------------------
 @pytest.mark.skipif(importlib.util.find_spec("lightning_async.cli") is None,
                     reason="lightning_async.cli (the training CLI) is not importable yet")
+@pytest.mark.slow
 def test_real_probe_end_to_end(tmp_path, monkeypatch):
     """Three real tiny trainings through the CLI (sync, delayed, delayed+EF), then compare."""
     monkeypatch.chdir(REPO)

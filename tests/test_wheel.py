@@ -15,6 +15,8 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
+pytestmark = pytest.mark.slow  # the tests here start processes or run the CLI (README.md, Tests)
+
 REPO = Path(__file__).resolve().parents[1]
 BUILD_INPUTS = ("setup.cfg", "pyproject.toml", "README.md", "lightning_async", "recipes")  # what setuptools reads
 BIN = "Scripts" if os.name == "nt" else "bin"
