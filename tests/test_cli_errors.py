@@ -228,6 +228,7 @@ def test_the_model_section_takes_any_lightning_module(tmp_path, small_data):
     assert cli.trainer.global_step == 2
 
 
+@pytest.mark.slow
 def test_a_recipe_without_class_path_is_a_causal_lm(tmp_path, small_data):
     cli = run_cli(fit(tmp_path, small_data, "--config", str(REPO / "recipes/optimizers/muon.yaml"),
                       "--model.lr", "1e-3", "--trainer.max_steps", "1", "--trainer.limit_val_batches", "0"))
@@ -243,6 +244,7 @@ def test_a_class_path_given_on_the_command_line(tmp_path, small_data):
     assert type(cli.model) is BagOfTokens and cli.model.hparams.width == 4 and cli.model.hparams.vocab_size == 257
 
 
+@pytest.mark.slow
 def test_fit_prints_no_warning_about_the_args_parameter(tmp_path, small_data, monkeypatch):
     """`main` hands sys.argv[1:] to LightningCLI itself; LightningCLI used to warn about `args` on every fit."""
     monkeypatch.setattr(sys, "argv", ["lightning-async", *fit(tmp_path, small_data, "--trainer.max_steps", "1",
@@ -333,6 +335,7 @@ def test_a_pipeline_checkpoint_given_to_a_single_device_fit_is_one_error_line(tm
 
 
 @pytest.mark.parametrize("stop", [True, False], ids=["stops", "keeps-going"])
+@pytest.mark.slow
 def test_a_diverging_fit_stops_by_default_and_is_marked(tmp_path, capsys, small_data, stop):
     args = fit(tmp_path, small_data, "--model.lr", "1e6", "--trainer.max_steps", "6", "--trainer.log_every_n_steps", "1",
                "--divergence.stop", str(stop).lower())

@@ -38,6 +38,7 @@ def _marker(trainer: L.Trainer) -> dict:
         return json.load(f)
 
 
+@pytest.mark.slow
 def test_nan_loss_stops_with_the_step_and_marks_the_run(tmp_path):
     """Before: training went on to max_steps with a NaN loss and exited normally."""
     trainer = _trainer(str(tmp_path), callbacks=[DivergenceGuard()])
@@ -49,6 +50,7 @@ def test_nan_loss_stops_with_the_step_and_marks_the_run(tmp_path):
     assert not os.path.exists(os.path.join(trainer.logger.log_dir, "DONE"))
 
 
+@pytest.mark.slow
 def test_keep_going_records_and_warns_once(tmp_path):
     trainer = _trainer(str(tmp_path), callbacks=[DivergenceGuard(stop=False)])
     with pytest.warns(UserWarning, match="Training diverged") as warned:
@@ -58,6 +60,7 @@ def test_keep_going_records_and_warns_once(tmp_path):
     assert _marker(trainer)["metric"] == "train/loss"
 
 
+@pytest.mark.slow
 def test_non_finite_gradient_norm_is_caught(tmp_path):
     class InfiniteNorm(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -70,6 +73,7 @@ def test_non_finite_gradient_norm_is_caught(tmp_path):
     assert _marker(trainer) == {"step": 1, "metric": "train/grad_norm", "value": "inf"}
 
 
+@pytest.mark.slow
 def test_finite_training_is_left_alone(tmp_path):
     trainer = _trainer(str(tmp_path), callbacks=[DivergenceGuard()], max_steps=4)
     trainer.fit(_model(lr=1e-3), datamodule=TinyData())

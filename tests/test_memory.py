@@ -81,6 +81,7 @@ def test_report_before_training_has_no_optimizer_or_ef_state():
     assert report["optimizer_state"] == 0 and report["correction"] == 0  # both are allocated lazily
 
 
+@pytest.mark.slow
 def test_report_agrees_with_simulator_memory_model():
     """The measured weight and EF terms are the ones ``timing.memory_model`` adds for 2BW and for EF."""
     sync, twobw, ef = (train(make_runtime(s, e)) for s, e in (("1f1b", None), ("2bw", None), ("2bw", 1.0)))

@@ -77,6 +77,7 @@ def test_bad_configs_name_the_problem():
         model_config("tiny", num_kv_heads=3)
 
 
+@pytest.mark.slow
 def test_causal_lm_learns_a_repeating_sequence():
     torch.manual_seed(0)
     module = CausalLM(vocab_size=257, model_overrides=dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_size=64))

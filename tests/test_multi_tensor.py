@@ -287,6 +287,7 @@ def _one_stage_2bw_weights(activation_checkpointing: bool) -> list[torch.Tensor]
     return [p.detach().clone() for p in runtime.params]
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_recomputes_with_the_weight_slot_of_its_batch():
     """Under 2BW two weight versions alternate; a recompute that read the module's own (newest) parameters
     instead of its batch's slot would give other gradients (0.01 apart after 10 steps when tried)."""
