@@ -40,9 +40,12 @@ With Sybil that would be a custom parser and evaluator for every kind of block, 
 from __future__ import annotations
 
 import configparser
+import json
 import os
 import re
+import select
 import shlex
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -64,9 +67,13 @@ from _doc_blocks import (
 
 from lightning_async.run_limits import MAX_RUNS_VARIABLE, MAX_STEPS_VARIABLE
 
+pytestmark = pytest.mark.slow  # about 40 commands and snippets, each a process
+
 MAX_STEPS, MAX_RUNS = 2, 3
 TIMEOUT_S = 1800  # one command, on a loaded 2-core machine
-SNIPPET_RUNNER = Path(__file__).with_name("_doc_snippet.py")
+DOC_SERVER = Path(__file__).with_name("_doc_server.py")
+QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
+SHELL_SYNTAX = re.compile(r"[;&|<>$`*?~(){}\[\]\\]")  # (outside quotes) a command that needs bash
 ABORT = "terminate called"  # a process that aborted (std::terminate) at exit, even if the command exited 0
 COMMAND_LINE = re.compile(r"^(\w+=\S* )*(python3?|bash|torchrun|srun|lightning-async|pip) ")
 PIPELINE_EXAMPLE_MODEL = {  # the stand-in for a downloaded model directory: a tiny Llama (vocab >= 257 bytes)
@@ -97,13 +104,7 @@ def what_to_do(block: Block) -> str | None:
 
 
 def block_params():
-    params = []
-    for block in ALL_BLOCKS:
-        action = what_to_do(block)
-        if action is not None:
-            marks = [pytest.mark.slow] if action == "run" else []
-            params.append(pytest.param(block, id=block.where, marks=marks))
-    return params
+    return [pytest.param(block, id=block.where) for block in ALL_BLOCKS if what_to_do(block) is not None]
 
 
 # ---- the working copy ----------------------------------------------------------------------------
@@ -155,6 +156,7 @@ class WorkingCopy:
     outcomes: dict[str, Outcome] = field(default_factory=dict)
     results: dict[str, list[str]] = field(default_factory=dict)  # block -> its problems
     seconds: dict[str, float] = field(default_factory=dict)
+    server: subprocess.Popen | None = None  # tests/_doc_server.py, once started
 
     def __post_init__(self) -> None:
         quickstart = (REPO / "recipes/quickstart.yaml").read_text()
@@ -192,11 +194,46 @@ class WorkingCopy:
                               stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT_S)
         return proc.returncode, proc.stdout
 
+    def forked(self, entry: str, args: list[str]) -> tuple[int, str]:
+        """``(exit status, output)`` of ``lightning-async ARGS`` (``entry="cli"``) or of a snippet
+        (``"snippet"``), run by the warm interpreter of ``tests/_doc_server.py`` (started on first use)."""
+        if self.server is None:
+            self.server = subprocess.Popen([sys.executable, str(DOC_SERVER)], cwd=self.root, env=self.environment,
+                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)  # (unbuffered: select sees every reply)
+        output = self.root / ".doc-output.txt"
+        self.server.stdin.write(json.dumps({"entry": entry, "args": args, "output": str(output)}).encode() + b"\n")
+        pid = self.reply("pid", TIMEOUT_S)
+        try:
+            returncode = self.reply("returncode", TIMEOUT_S)
+        except TimeoutError:
+            os.killpg(pid, signal.SIGKILL)
+            returncode = self.reply("returncode", 60)
+        return returncode, output.read_text(errors="replace")
+
+    def reply(self, key: str, timeout: float) -> int:
+        ready, _, _ = select.select([self.server.stdout], [], [], timeout)
+        if not ready:
+            raise TimeoutError(f"no {key} from tests/_doc_server.py within {timeout} s")
+        line = self.server.stdout.readline()
+        if not line:
+            raise RuntimeError(f"tests/_doc_server.py exited ({self.server.wait()}) before replying")
+        return json.loads(line)[key]
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stdin.close()
+            self.server.wait(timeout=60)
+
     def command(self, command: str, where: str) -> Outcome:
-        """The outcome of a shell command, run once per working copy."""
+        """The outcome of a shell command, run once per working copy: ``lightning-async ARGS`` without shell syntax
+        in the warm interpreter (the same ``main``, argv, environment and exit), anything else in bash."""
         if command not in self.outcomes:
             start = time.perf_counter()
-            returncode, output = self.execute(["bash", "-c", command])
+            args = shlex.split(command)
+            if args[0] == "lightning-async" and not SHELL_SYNTAX.search(QUOTED.sub("", command)):
+                returncode, output = self.forked("cli", args[1:])
+            else:
+                returncode, output = self.execute(["bash", "-c", command])
             self.outcomes[command] = Outcome(returncode, output, time.perf_counter() - start, where)
         return self.outcomes[command]
 
@@ -221,7 +258,7 @@ class WorkingCopy:
             snippet.parent.mkdir(exist_ok=True)
             snippet.write_text(block.text + "\n")
             start = time.perf_counter()
-            returncode, output = self.execute([sys.executable, str(SNIPPET_RUNNER), str(snippet)])
+            returncode, output = self.forked("snippet", [str(snippet)])
             problem = Outcome(returncode, output, time.perf_counter() - start, block.where).problem(f"python {block.where}")
             return [problem] if problem else [], None
         problems, not_run = [], []
@@ -273,8 +310,10 @@ def corpus_text(size: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def working_copy(tmp_path_factory) -> WorkingCopy:
-    return WorkingCopy(tmp_path_factory.mktemp("working-copy"))
+def working_copy(tmp_path_factory):
+    copy = WorkingCopy(tmp_path_factory.mktemp("working-copy"))
+    yield copy
+    copy.close()
 
 
 # ---- the tests -------------------------------------------------------------------------------------
