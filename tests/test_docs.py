@@ -4,7 +4,7 @@ What happens to a fenced block (``tests/_doc_blocks.py`` reads them; one test pe
 
 * ``bash``/``sh`` blocks: each command runs in bash and must exit 0; ``$ `` blocks (any info string): each
   ``$`` command must exit 0 and print the lines under it, exactly and in that order (other lines may come between);
-* ``python`` blocks: each runs as a script file in a subprocess (``tests/_doc_snippet.py``; a file, because a
+* ``python`` blocks: each runs as a script file in its own process (``tests/_doc_snippet.py``; a file, because a
   pipeline snippet with ``devices=2`` is re-executed by Lightning on its other rank) and must exit 0;
 * ``yaml`` blocks must parse; ``<!-- doc-test: definitions in PATH -->`` sketches (the contract, excerpts of tested
   examples) must define only what PATH defines, with the same parameters;
@@ -28,8 +28,15 @@ blocks before it in its document.
 
 **Shortened by one rule** (``lightning_async/run_limits.py``): ``LIGHTNING_ASYNC_MAX_STEPS=2`` makes every
 Trainer of every command (``fit``, the runs of ``study`` and ``probe``, every pipeline rank) and of every Python
-snippet train 2 steps and validate once; ``LIGHTNING_ASYNC_MAX_RUNS=3`` makes a ``study`` or ``probe`` train the
-first 3 runs of its matrix (seed 0: sync, delayed, delayed + EF of the first optimizer).
+snippet train 2 steps and validate once; ``LIGHTNING_ASYNC_MAX_RUNS=2`` makes a ``study`` or ``probe`` train the
+first 2 runs of its matrix (seed 0: sync and delayed of the first optimizer).
+
+**Fast** (the suite's CI has 2 cores): a command that the documents repeat runs once (above); ``lightning-async
+ARGS`` (no shell syntax) and the Python snippets run in a child forked from ``tests/_doc_server.py``, which has
+imported ``lightning_async.cli`` once (the import is ~7 s of CPU, more than a 2-step fit); the child runs the console
+script's ``main`` with the same ``sys.argv``, working directory and environment and exits as a user's process does.
+Processes the commands start themselves (a study's runs, a pipeline's other ranks) are ordinary new processes.
+The seconds of every command are written to ``doc-commands.tsv`` in the working copy (``--basetemp`` to keep it).
 
 Our own extractor rather than Sybil, pytest-examples or mktestdocs: those run Python examples in the test
 process; here every block is a subprocess in a shared working copy (shell commands with their printed output,
@@ -69,7 +76,7 @@ from lightning_async.run_limits import MAX_RUNS_VARIABLE, MAX_STEPS_VARIABLE
 
 pytestmark = pytest.mark.slow  # about 40 commands and snippets, each a process
 
-MAX_STEPS, MAX_RUNS = 2, 3
+MAX_STEPS, MAX_RUNS = 2, 2
 TIMEOUT_S = 1800  # one command, on a loaded 2-core machine
 DOC_SERVER = Path(__file__).with_name("_doc_server.py")
 QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
@@ -220,6 +227,8 @@ class WorkingCopy:
         return json.loads(line)[key]
 
     def close(self) -> None:
+        slowest = sorted(self.outcomes.items(), key=lambda item: -item[1].seconds)
+        self.write("doc-commands.tsv", "".join(f"{o.seconds:.1f}\t{o.where}\t{c}\n" for c, o in slowest))
         if self.server is not None:
             self.server.stdin.close()
             self.server.wait(timeout=60)
