@@ -36,6 +36,8 @@ ARGS`` (no shell syntax) and the Python snippets run in a child forked from ``te
 imported ``lightning_async.cli`` once (the import is ~7 s of CPU, more than a 2-step fit); the child runs the console
 script's ``main`` with the same ``sys.argv``, working directory and environment and exits as a user's process does.
 Processes the commands start themselves (a study's runs, a pipeline's other ranks) are ordinary new processes.
+Every process gets ``OMP_NUM_THREADS=1`` (tiny models: one thread is fastest, and a busy machine's
+oversubscription slowed a 2-step fit several times over).
 The seconds of every command are written to ``doc-commands.tsv`` in the working copy (``--basetemp`` to keep it).
 
 Our own extractor rather than Sybil, pytest-examples or mktestdocs: those run Python examples in the test
@@ -177,6 +179,7 @@ class WorkingCopy:
             MAX_STEPS_VARIABLE: str(MAX_STEPS), MAX_RUNS_VARIABLE: str(MAX_RUNS),
             "PATH": os.pathsep.join([sysconfig.get_path("scripts"), os.environ.get("PATH", "")]),
             "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+            "OMP_NUM_THREADS": "1",  # tiny models: one thread per process is fastest and immune to oversubscription
         }
 
     def write(self, name: str, text: str) -> None:
