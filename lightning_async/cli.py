@@ -34,11 +34,12 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning_async import compat
 from lightning_async.strategies import AsyncPipelineStrategy  # (importing registers async_pipe / sync_pipe)
 from lightning_async.callbacks import DelayCorrection, DelaySimulation, DivergenceGuard, ErrorFeedback, RunTelemetry
-from lightning_async.callbacks.delay import check_corrections
+from lightning_async.callbacks.delay import check_corrections, check_delay_profiles
 from lightning_async.data import TextDataModule
 from lightning_async.lm import CausalLM
 from lightning_async.pipeline.checkpoint import refuse_pipeline_checkpoint
 from lightning_async.recipes_index import RecipeNotFound, resolve_config_args
+from lightning_async.run_limits import shorten_cli_config
 
 # subcommand -> (module, function); imported lazily so `fit` does not pay for matplotlib & co.
 TOOLS = {
@@ -219,6 +220,10 @@ class AsyncCLI(LightningCLI):
             raise CLIError(str(err)) from err
         check_recipes(args)
         self.config = parser.parse_args(args)
+        try:  # LIGHTNING_ASYNC_MAX_STEPS=N: every run trains at most N steps (the docs test; run_limits.py)
+            shorten_cli_config(self.config)
+        except ValueError as err:
+            raise CLIError(str(err)) from err
 
     def _add_instantiators(self) -> None:
         """LightningCLI's instantiators (model and data: they save the hyperparameters) and a default one
@@ -247,6 +252,7 @@ class AsyncCLI(LightningCLI):
                 self.trainer.strategy.validate_mesh()
             if self.subcommand == "fit":
                 check_corrections(self.trainer)
+                check_delay_profiles(self.trainer, self.model)
             if not pipeline:
                 refuse_pipeline_checkpoint(self.config_init.get(self.subcommand, {}).get("ckpt_path"))
         except ValueError as err:

@@ -98,8 +98,11 @@ CORRECTIONS = str(REPO / "recipes/corrections")
          "Two staleness corrections are switched on"),
         (["--config", PIPELINE, "--trainer.strategy.init_args.n_microbatches", "1"],
          "schedule '2bw' needs at least as many micro-batches per batch as pipeline stages"),
+        (["--config", str(REPO / "recipes/delay/pipedream-4.yaml"), "--delay.stages", "8"],  # tiny: 6 units
+         "DelaySimulation (delay profile pipedream-8): Cannot split 6 pipeline units into 8 stages"),
     ],
-    ids=["prediction-under-pipeline", "correction-on-1f1b", "no-delay-source", "two-corrections", "microbatches"],
+    ids=["prediction-under-pipeline", "correction-on-1f1b", "no-delay-source", "two-corrections", "microbatches",
+         "profile-stages"],
 )
 def test_refused_settings_stop_before_any_rank_starts(tmp_path, capsys, small_data, args, message):
     rc, output = run_main(capsys, *fit(tmp_path, small_data, *args))

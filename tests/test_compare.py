@@ -534,3 +534,28 @@ def test_report_plots_and_layout_show_the_corrections(tmp_path, capsys):
     assert chart.title == "adamw: val/loss, sync vs async vs async+EF vs async+nesterov vs async+weight-prediction"
     overlay = read_scalars(out / "tensorboard")
     assert overlay["adamw/val_loss/async+nesterov/adamw-nesterov-s1"][-1] == (20, pytest.approx(2.12))
+
+
+# ---- the example of docs/compare.md ------------------------------------------------------------
+#: docs/compare.md's example: category -> final val loss of seeds 0, 1, 2
+EXAMPLE_FINALS = {"sync": (2.596, 2.624, 2.610), "async": (2.866, 2.914, 2.890), "ef": (2.638, 2.652, 2.645),
+                  "nesterov": (2.690, 2.700, 2.695)}
+
+
+def test_the_example_table_of_compare_md_is_what_compare_prints(tmp_path):
+    """docs/compare.md ("Reading the table") shows the table of three synthetic seeds validated at steps 99 and 199,
+    as the quick-start study's 200-step runs are: its lines are exactly what ``compare`` prints for them (issue 24:
+    the example read its runs at step 200, a step no run logs)."""
+    from _doc_blocks import REPO, read_blocks
+
+    for category, finals in EXAMPLE_FINALS.items():
+        mode = {"sync": dict(mode="sync"), "async": dict(mode="delayed")}.get(
+            category, dict(mode="delayed", correction=category, correction_strength=1.0))
+        for seed, final in enumerate(finals):
+            write_fake_run(tmp_path / f"adamw-{category}-s{seed}", seed=seed, val_loss={99: final + 0.3, 199: final},
+                           **mode)
+    printed = [line.rstrip() for line in compare([tmp_path]).table().splitlines()]
+    doc = REPO / "docs/compare.md"
+    heading = doc.read_text().splitlines().index("### Reading the table") + 1
+    example = next(block for block in read_blocks(doc) if block.line > heading)
+    assert example.text.splitlines() == printed

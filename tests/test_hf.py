@@ -365,7 +365,8 @@ def test_pipeline_follows_the_single_device_rule(oracle_results):
 
 # ---- the command line, checkpoints and export ----------------------------------------------------
 def fit_from_the_cli(tmp_path, *extra: str, recipe: str = "hf-llama-tiny"):
-    """``lightning-async fit`` with the quick start and an HF model recipe; returns the run directory."""
+    """``lightning-async fit`` with the quick start and an HF model recipe; returns the run directory (the recipe
+    names it: ``runs/<recipe>/version_0``, as the README's ``export`` command expects)."""
     from test_cli import REPO, SMALL_DATA, run_cli
 
     proc = run_cli(
@@ -375,7 +376,9 @@ def fit_from_the_cli(tmp_path, *extra: str, recipe: str = "hf-llama-tiny"):
         "--data.cache_dir", str(tmp_path / "cache"), *SMALL_DATA,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return next((tmp_path / "runs" / "quickstart").iterdir())
+    run_dir = tmp_path / "runs" / recipe / "version_0"
+    assert run_dir.is_dir(), sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "runs").glob("*/*"))
+    return run_dir
 
 
 def check_export(checkpoint, state_dict: dict, hparams: dict, out_dir) -> None:
@@ -398,7 +401,8 @@ def test_cli_fit_checkpoint_and_export(tmp_path):
     run_dir = fit_from_the_cli(tmp_path)
     losses = read_scalars(run_dir, "train/loss")
     assert len(losses) == 8 and losses[-1] < losses[0] - 0.5, losses
-    checkpoint = next((run_dir / "checkpoints").glob("*.ckpt"))
+    checkpoint = run_dir / "checkpoints/last.ckpt"  # the recipe keeps the last checkpoint under this name
+    assert sorted(p.name for p in checkpoint.parent.iterdir()) == ["last.ckpt"]
     saved = torch.load(checkpoint, weights_only=False)
     check_export(checkpoint, saved["state_dict"], saved["hyper_parameters"], tmp_path / "hf")
 
@@ -414,7 +418,7 @@ def test_cli_pipeline_fit_checkpoint_and_export(tmp_path):
     assert json.loads((run_dir / "DONE").read_text())["mode"] == "async_pipe"
     losses = read_scalars(run_dir, "train/loss")  # 2BW reports each batch's loss one step later
     assert len(losses) == 7 and losses[-1] < losses[0] - 0.5, losses
-    checkpoint = next((run_dir / "checkpoints").glob("*.ckpt"))
+    checkpoint = run_dir / "checkpoints/last.ckpt"
     assert checkpoint.is_dir() and len(stage_files(checkpoint)) == 2
     hparams = torch.load(stage_files(checkpoint)[-1], weights_only=False)["hyper_parameters"]
     check_export(checkpoint, consolidate(checkpoint), hparams, tmp_path / "hf")

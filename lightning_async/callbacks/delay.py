@@ -67,6 +67,13 @@ def check_corrections(trainer: Trainer) -> None:
             callback.check(trainer)
 
 
+def check_delay_profiles(trainer: Trainer, pl_module: LightningModule) -> None:
+    """Every active :class:`DelaySimulation`'s :meth:`~DelaySimulation.check_profile` (before training starts)."""
+    for callback in trainer.callbacks:
+        if isinstance(callback, DelaySimulation):
+            callback.check_profile(pl_module)
+
+
 def _restricted(delays: dict, optimizer) -> dict:
     """The entries of ``delays`` for the parameters ``optimizer`` updates."""
     mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
@@ -152,6 +159,16 @@ class DelaySimulation(Callback):
             return _wrap_configured(original(), self._wrap)
 
         pl_module.configure_optimizers = configure_optimizers
+
+    def check_profile(self, pl_module: LightningModule) -> None:
+        """Raise the ``ValueError`` that :meth:`setup` would raise for this module's units (e.g. more stages than
+        units), naming the profile, so that the CLI reports it before any data is prepared."""
+        if not self.active:
+            return
+        try:
+            self._profile_delays(pl_module)
+        except ValueError as err:
+            raise ValueError(f"DelaySimulation (delay profile {self.profile_label()}): {err}") from err
 
     def _profile_delays(self, pl_module: LightningModule) -> dict:
         if self.profile is None:

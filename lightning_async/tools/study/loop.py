@@ -6,6 +6,7 @@ import shlex
 import time
 from collections.abc import Callable
 
+from lightning_async.run_limits import first_runs
 from lightning_async.tools.study.locks import run_lock
 from lightning_async.tools.study.matrix import Study
 from lightning_async.tools.study.outcome import StudyResult, run_state
@@ -51,6 +52,13 @@ def run_study(
         if missing:
             print_fn("warning: recipe files not found (yet): " + ", ".join(missing))
         return result
+    try:  # LIGHTNING_ASYNC_MAX_RUNS=N: only the first N runs train (the docs test; run_limits.py)
+        specs, left_out = first_runs(specs)
+    except ValueError as err:
+        raise StudyError(str(err)) from err
+    if left_out:
+        print_fn(left_out)
+        result.specs, total = specs, len(specs)
     running = RunningProcesses()
     if runner is None:
         missing = study.missing_files()
