@@ -132,7 +132,6 @@ def test_the_loop_counters_the_callbacks_read_exist() -> None:
     module = Tiny()
     _trainer(max_steps=3, enable_progress_bar=False, enable_model_summary=False).fit(module, data)
     assert module.seen == [(0, 1), (1, 2), (2, 3)]
-    assert getattr(_TrainingEpochLoop, "_batches_that_stepped", None) is None  # an instance attribute, set in init
     assert hasattr(_trainer().fit_loop.epoch_loop, "_batches_that_stepped")
 
 
