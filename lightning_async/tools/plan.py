@@ -192,6 +192,17 @@ def format_compare_table(rows: list[dict]) -> str:
 # ------------------------------------------------------------------------------------------------------ table
 
 
+def _costs_by_stage_count(stages: Sequence[int], costs_for_p, skipped: list[dict]):
+    """``(p, costs_for_p(p))`` for each stage count; one whose costs raise ``ValueError`` goes to ``skipped``."""
+    for p in stages:
+        try:
+            costs = costs_for_p(p)
+        except ValueError as err:
+            skipped.append({"p": p, "reason": str(err)})
+            continue
+        yield p, costs
+
+
 def plan(
     stages: Sequence[int],
     multipliers: Sequence[int],
@@ -202,12 +213,7 @@ def plan(
 ) -> tuple[list[dict], list[dict]]:
     """Rows of the planning table. ``costs_for_p(p)`` returns the stage-cost dict or raises ``ValueError``."""
     rows, skipped = [], []
-    for p in stages:
-        try:
-            costs = costs_for_p(p)
-        except ValueError as err:
-            skipped.append({"p": p, "reason": str(err)})
-            continue
+    for p, costs in _costs_by_stage_count(stages, costs_for_p, skipped):
         for k in multipliers:
             m = k * p
             row = {"p": p, "m": m}
@@ -255,12 +261,7 @@ def compare(stages, multipliers, costs_for_p, comm_s, update_s, num_batches, wei
     """The map's rows (:func:`compare_row` for every ``p`` and ``m = k p``) and the stage counts skipped."""
     rows, skipped = [], []
     budget = None if memory_gib is None else memory_gib * 2**30
-    for p in stages:
-        try:
-            costs = costs_for_p(p)
-        except ValueError as err:
-            skipped.append({"p": p, "reason": str(err)})
-            continue
+    for p, costs in _costs_by_stage_count(stages, costs_for_p, skipped):
         rows += [compare_row(p, k * p, costs, comm_s, update_s, num_batches, weight_fraction, budget, worth) for k in multipliers]
     return rows, skipped
 
