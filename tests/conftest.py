@@ -6,6 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_async.pipeline import local
+
+# Multi-process tests start their ``run_local`` workers from one fork server that has imported these once: a
+# spawned worker would import torch and Lightning again, ~6 s of CPU each. The multi-process modules took 305 s with
+# spawned workers, about 150 s forked (2 cores). test_local.py still runs the plain "spawn" path, and so do the two tests of
+# Lightning's spawn launcher (the notebooks' path).
+WORKER_PRELOAD = ["torch", "torch.distributed", "lightning", "lightning_async.cli", "workload", "_pipeline_harness"]
+
+
+def pytest_configure(config):
+    local.start_from_forkserver(WORKER_PRELOAD)
+
 
 @pytest.fixture
 def one_thread():

@@ -203,3 +203,46 @@ def test_sigterm_in_evaluation_or_the_final_drain_stops_at_once():
     assert test[0]["error"] == "StageTerminated" and test[0]["batches"] == 2, test
     assert "stage 0 (global rank 0) stopped at test batch 1" in test[0]["message"]
     assert test[1]["error"] == "PeerFailure" and test[1]["batches"] <= 3, test
+
+
+EXIT_SCRIPT = '''
+import atexit, os, sys
+
+import torch.distributed as dist
+
+
+def report() -> None:  # registered first, so it runs after every handler registered later
+    print(f"rank {os.environ.get('LOCAL_RANK', '0')}: process group alive at exit: {dist.is_initialized()}", flush=True)
+
+
+atexit.register(report)
+sys.path.insert(0, {tests!r})
+import lightning as L
+from test_strategy import SHAPE, TinyData
+from lightning_async.lm import CausalLM
+from lightning_async.strategies import AsyncPipelineStrategy
+
+L.seed_everything(0)
+trainer = L.Trainer(accelerator="cpu", devices=2, strategy=AsyncPipelineStrategy(n_microbatches=2), max_steps=2,
+                    logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                    num_sanity_val_steps=0, limit_val_batches=0)
+trainer.fit(CausalLM(vocab_size=257, model_overrides=SHAPE), datamodule=TinyData())
+'''
+
+
+def test_a_finished_rank_destroys_its_process_groups_before_the_interpreter_ends(tmp_path):
+    """Before: Lightning leaves the group open after fit, and gloo's threads outliving it into interpreter
+    finalization aborted a rank now and then after a successful run ("terminate called without an active
+    exception", SIGABRT). Every rank (Lightning's script launcher: the CLI's path) now destroys its groups at exit."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "fit.py"
+    script.write_text(EXIT_SCRIPT.replace("{tests!r}", repr(str(Path(__file__).parent))))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "terminate called" not in proc.stderr
+    for rank in (0, 1):
+        assert f"rank {rank}: process group alive at exit: False" in proc.stdout, proc.stdout[-2000:]

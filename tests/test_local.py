@@ -31,7 +31,23 @@ def test_no_port_is_chosen_before_it_is_bound(monkeypatch):
         taken.bind((local.HOST, 0))
         taken.listen()
         monkeypatch.setattr(local, "free_port", lambda: taken.getsockname()[1], raising=False)
+        monkeypatch.setattr(local, "_start_method", "spawn")  # the default path (the suite's other runs fork)
         assert local.run_local(2, _sums_over_three_groups, timeout=120) == [[3.0, 3.0, 3.0]] * 2
+
+
+def _imported_before_start() -> bool:
+    import sys
+
+    return "lightning_async.cli" in sys.modules
+
+
+@pytest.mark.slow
+def test_forkserver_workers_start_with_the_preloaded_modules(monkeypatch):
+    """The suite's conftest calls ``start_from_forkserver``: workers arrive with the CLI module imported; under
+    spawn they do not (a spawned worker imports only what unpickling this module's function needs)."""
+    assert local.run_local(2, _imported_before_start) == [True, True]
+    monkeypatch.setattr(local, "_start_method", "spawn")
+    assert local.run_local(2, _imported_before_start) == [False, False]
 
 
 def test_join_default_group_outside_run_local_says_so():

@@ -682,10 +682,10 @@ def test_probe_modes_and_bad_corrections(tmp_path):
                     reason="lightning_async.cli (the training CLI) is not importable yet")
 @pytest.mark.slow
 def test_real_probe_end_to_end(tmp_path, monkeypatch):
-    """Three real tiny trainings through the CLI (sync, delayed, delayed+EF), then compare."""
+    """Three real tiny trainings through the CLI (sync, delayed, delayed+EF), two at a time, then compare."""
     monkeypatch.chdir(REPO)
     out = tmp_path / "probe"
-    rc = probe_main(["--config", "recipes/quickstart.yaml", "--steps", "6", "--output", str(out)])
+    rc = probe_main(["--config", "recipes/quickstart.yaml", "--steps", "6", "--output", str(out), "--jobs", "2"])
     logs = "\n".join(p.read_text()[-3000:] for p in sorted((out / "logs").glob("*.log")))
     assert rc == 0, logs
     runs = load_runs([out / "runs"])

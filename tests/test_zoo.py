@@ -106,6 +106,16 @@ def test_names_and_errors():
         build_optimizer("adamw", Toy().parameters(), lr=1e-3)
 
 
+def test_a_model_refuses_an_unknown_optimizer_when_it_is_made():
+    """Before: the name was first read in ``configure_optimizers``, after data preparation and the ranks' start."""
+    from lightning_async.lm import CausalLM
+
+    with pytest.raises(ValueError, match="Unknown optimizer 'adam'"):
+        CausalLM(vocab_size=257, optimizer="adam")
+    with pytest.raises(UnknownOptimizerArgument, match="momentom"):
+        CausalLM(vocab_size=257, optimizer="muon", optimizer_kwargs={"momentom": 0.9})
+
+
 def test_grouping_of_the_model():
     model = tiny_model()
     groups = group_parameters(model.named_parameters())

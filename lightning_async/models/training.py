@@ -13,6 +13,7 @@ from torchmetrics import MeanMetric
 
 from lightning_async.models.objective import next_token_loss, split_next_token
 from lightning_async.optim import build_optimizer
+from lightning_async.optim.zoo import check_optimizer_settings
 from lightning_async.optim.schedules import warmup_cosine
 
 
@@ -55,6 +56,7 @@ class CausalLMTraining(LightningModule):
         min_lr_fraction: float = 0.1,
     ) -> None:
         super().__init__()
+        check_optimizer_settings(optimizer, optimizer_kwargs or {})
         self.save_hyperparameters()  # (with the subclass's own arguments: Lightning collects the whole chain)
         # Losses reaching log_loss are already averaged over every rank (the pipeline reduces them),
         # so the metrics must not sync again.

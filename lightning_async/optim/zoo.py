@@ -153,6 +153,19 @@ class CompositeOptimizer(Optimizer):
 
 
 # ---- the factory ---------------------------------------------------------------------------------
+def check_optimizer_settings(name: str, kwargs: dict) -> None:
+    """Raise ``ValueError`` for an unknown optimizer ``name`` and :class:`UnknownOptimizerArgument` for a keyword it
+    does not take (models call it in ``__init__``: a typo fails at configuration, before data or ranks start)."""
+    if name not in OPTIMIZER_NAMES:
+        raise ValueError(f"Unknown optimizer {name!r}. Choose one of: {', '.join(OPTIMIZER_NAMES)}.")
+    unknown = sorted(set(kwargs) - ALLOWED_KWARGS[name])
+    if unknown:
+        raise UnknownOptimizerArgument(
+            f"Optimizer {name!r} does not take {', '.join(unknown)}. Valid keyword arguments: "
+            f"{', '.join(sorted(ALLOWED_KWARGS[name]))}."
+        )
+
+
 def build_optimizer(
     name: str, named_parameters: Iterable[tuple[str, nn.Parameter]], lr: float, weight_decay: float = 0.1, **kwargs
 ) -> torch.optim.Optimizer:
@@ -171,14 +184,7 @@ def build_optimizer(
         ValueError: unknown ``name`` (the message lists the valid names).
         UnknownOptimizerArgument: a keyword the optimizer does not take.
     """
-    if name not in OPTIMIZER_NAMES:
-        raise ValueError(f"Unknown optimizer {name!r}. Choose one of: {', '.join(OPTIMIZER_NAMES)}.")
-    unknown = sorted(set(kwargs) - ALLOWED_KWARGS[name])
-    if unknown:
-        raise UnknownOptimizerArgument(
-            f"Optimizer {name!r} does not take {', '.join(unknown)}. Valid keyword arguments: "
-            f"{', '.join(sorted(ALLOWED_KWARGS[name]))}."
-        )
+    check_optimizer_settings(name, kwargs)
     kwargs = {k: tuple(v) if k in _TUPLE_KWARGS and isinstance(v, list) else v for k, v in kwargs.items()}
     groups = group_parameters(named_parameters)
     if not any(groups.values()):

@@ -10,6 +10,7 @@ internals it touches are in :mod:`~lightning_async.compat`.
 
 from __future__ import annotations
 
+import atexit
 import warnings
 from datetime import timedelta
 from typing import Any
@@ -48,6 +49,15 @@ def _checked_timeout(timeout: timedelta | float | None) -> timedelta | None:
             f"got {seconds!r}."
         )
     return None if timeout is None else timedelta(seconds=seconds)
+
+
+def destroy_groups_at_exit() -> None:
+    """Destroy every process group while the interpreter is still whole (registered with ``atexit`` once a rank has
+    joined). Left to interpreter finalization, gloo's threads may still hold finished works whose tensors need the
+    GIL when freed, and the rank aborts after a successful run ("terminate called without an active exception",
+    SIGABRT; pytorch/pytorch#190489). Lightning leaves the group open after ``fit`` (a ``test`` may follow)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _add_divergence_guard(trainer) -> None:
@@ -224,6 +234,8 @@ class AsyncPipelineStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         self.validate_mesh()
         super().setup_environment()
+        atexit.unregister(destroy_groups_at_exit)  # once per process, however many trainers
+        atexit.register(destroy_groups_at_exit)
 
     @override
     def _configure_launcher(self) -> None:

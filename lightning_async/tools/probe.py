@@ -29,6 +29,7 @@ from lightning_async.identity import EF, KNOWN_CORRECTIONS
 from lightning_async.optim.corrections import CORRECTIONS, FORWARD
 from lightning_async.recipes_index import RecipeNotFound, resolve_config
 from lightning_async.tools.study import Runner, Study, StudyError, find_recipes_dir, parse_set, run_study
+from lightning_async.tools.study.parsing import add_jobs_argument, check_jobs
 
 PROBE_MODES = ["sync", "delayed", "delayed-ef"]
 #: the corrections ``--corrections all`` tries: the whole family, EF first
@@ -180,6 +181,7 @@ def build_parser(prog: str = "lightning-async probe") -> argparse.ArgumentParser
                         "(default: ef)")
     parser.add_argument("--output", help="where runs and the report go (default probes/<recipe>-<steps>steps)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="CLI override (repeatable)")
+    add_jobs_argument(parser)
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     parser.add_argument("--verbose", "-v", action="store_true", help="stream each run's output")
     return parser
@@ -265,6 +267,7 @@ def probe_study(args: argparse.Namespace) -> Study:
         overrides=overrides,
         ef_strengths=[args.ef_strength] if args.ef_strength is not None else None,
         recipes_dir=find_recipes_dir(),
+        jobs=1 if args.jobs is None else check_jobs(args.jobs),
     )
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from lightning_async.recipes_index import find_recipe
 from lightning_async.tools.study.loop import run_study
 from lightning_async.tools.study.matrix import Study
-from lightning_async.tools.study.parsing import check_jobs, load_study, parse_set
+from lightning_async.tools.study.parsing import add_jobs_argument, check_jobs, load_study, parse_set
 from lightning_async.tools.study.runner import StudyTerminated, synthetic_runner
 from lightning_async.tools.study.spec import Runner, StudyError
 
@@ -37,9 +37,7 @@ def build_parser(prog: str = "lightning-async study") -> argparse.ArgumentParser
     parser.add_argument("--paper", action="store_true", help="add the paper's numbers to the report")
     parser.add_argument("--fail-fast", action="store_true",
                         help="stop at the first failed run (with --jobs: launch no more, let the running ones finish)")
-    parser.add_argument("--jobs", type=int, metavar="N",
-                        help="train up to N runs at the same time (default: the study's jobs, else 1); each gets "
-                        "OMP_NUM_THREADS = cores // N unless OMP_NUM_THREADS is set")
+    add_jobs_argument(parser)
     parser.add_argument("--verbose", "-v", action="store_true", help="stream each run's output")
     parser.add_argument("--fake", action="store_true",
                         help="rehearsal: write synthetic runs instead of training (check bookkeeping and report)")

@@ -104,6 +104,13 @@ def parse_set(items: Sequence[str]) -> list[str]:
     return out
 
 
+def add_jobs_argument(parser) -> None:
+    """``--jobs N`` (study and probe): runs trained at the same time."""
+    parser.add_argument("--jobs", type=int, metavar="N",
+                        help="train up to N runs at the same time (default: a study file's jobs, else 1); each gets "
+                        "OMP_NUM_THREADS = cores // N unless OMP_NUM_THREADS is set")
+
+
 def check_jobs(value: Any, what: str = "--jobs") -> int:
     """``value`` as a number of runs at the same time (a positive integer), else :class:`StudyError`."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
