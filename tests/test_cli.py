@@ -87,18 +87,45 @@ def test_recipes_compose_into_a_delayed_ef_muon_run(tmp_path):
     assert (identity["optimizer"], identity["mode"], identity["delay"], identity["ef_strength"]) == ("muon", "delayed", 1, 1.0)
 
 
+CONSOLE_SCRIPT_REPORTING_EXIT = """
+import atexit, os, sys
+
+import torch.distributed as dist
+
+
+def report() -> None:  # registered first, so it runs after every exit handler registered later
+    print(f"rank {os.environ.get('LOCAL_RANK', '0')}: process group alive at exit: {dist.is_initialized()}", flush=True)
+
+
+atexit.register(report)
+from lightning_async.cli import main
+
+sys.exit(main())
+"""
+
+
 def test_real_pipeline_from_the_cli(tmp_path):
-    """Two processes through Lightning's own launcher (the script is re-executed for rank 1)."""
-    proc = run_cli(
-        tmp_path, "fit", "--config", str(REPO / "recipes/quickstart.yaml"), "--config", str(REPO / "recipes/pipeline/async.yaml"),
-        "--trainer.max_steps", "6", "--trainer.val_check_interval", "6", "--trainer.enable_progress_bar", "false",
-        "--data.cache_dir", str(tmp_path / "cache"), *SMALL_DATA,
-    )
+    """Two processes through Lightning's own launcher: the console script is re-executed for rank 1 (here a copy of
+    it that reports, as its very last act, whether a process group is still alive).
+
+    Exit: before, Lightning left the groups open after fit, and gloo threads outliving them into interpreter
+    shutdown aborted a rank now and then after a successful run ("terminate called without an active exception",
+    SIGABRT). Every rank now destroys its groups at exit (before the fix both ranks reported ``True``)."""
+    script = tmp_path / "lightning-async"
+    script.write_text(CONSOLE_SCRIPT_REPORTING_EXIT)
+    args = ["fit", "--config", str(REPO / "recipes/quickstart.yaml"), "--config", str(REPO / "recipes/pipeline/async.yaml"),
+            "--trainer.max_steps", "6", "--trainer.val_check_interval", "6", "--trainer.enable_progress_bar", "false",
+            "--data.cache_dir", str(tmp_path / "cache"), *SMALL_DATA]
+    proc = subprocess.run([sys.executable, str(script), *args], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONWARNINGS="ignore"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_dir = next((tmp_path / "runs" / "quickstart").iterdir())
     identity = yaml.safe_load((run_dir / "hparams.yaml").read_text())
     assert identity["mode"] == "async_pipe"
     assert len(read_scalars(run_dir, "val/loss")) == 1
+    assert "terminate called" not in proc.stderr
+    for rank in (0, 1):
+        assert f"rank {rank}: process group alive at exit: False" in proc.stdout, proc.stdout[-2000:]
 
 
 BAD_INPUTS = {
