@@ -156,25 +156,16 @@ def test_bad_input_stops_with_a_clear_message(bad_input_runs, case):
 
 def test_tools_run_from_any_directory(tmp_path):
     """study, probe, plan (and its old name), recipes, compare and export by their module paths in TOOLS."""
-    script = "\n".join([
-        "import sys",
-        "from lightning_async.cli import main",
-        "for args in (['study', '--config', 'quickstart', '--dry-run'], ['probe', '--config', 'quickstart', '--dry-run'],",
-        "             ['plan', '--forward-ms', '10', '--stages', '2'], ['simulate', '--forward-ms', '10', '--stages', '2'],",
-        "             ['recipes'], ['compare', 'nothing-here'], ['export', '--help']):",
-        "    try:",
-        "        rc = main(args)",
-        "    except SystemExit as exit_:",
-        "        rc = exit_.code",
-        "    print('RC', args[0], rc, flush=True)",
-    ])
-    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, PYTHONWARNINGS="ignore"))
-    codes = dict(line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("RC "))
-    assert codes == {"study": "0", "probe": "0", "plan": "0", "simulate": "0", "recipes": "0", "compare": "2",
-                     "export": "0"}, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "study quickstart: 21 runs -> studies/quickstart" in proc.stdout and "not found" not in proc.stdout
-    assert "`simulate` is now `plan`" in proc.stderr and not (tmp_path / "studies").exists()
+    runs = run_cli_invocations(tmp_path, {
+        "study": ["study", "--config", "quickstart", "--dry-run"], "probe": ["probe", "--config", "quickstart", "--dry-run"],
+        "plan": ["plan", "--forward-ms", "10", "--stages", "2"], "simulate": ["simulate", "--forward-ms", "10", "--stages", "2"],
+        "recipes": ["recipes"], "compare": ["compare", "nothing-here"], "export": ["export", "--help"],
+    })
+    codes = {name: run["returncode"] for name, run in runs.items()}
+    assert codes == {"study": 0, "probe": 0, "plan": 0, "simulate": 0, "recipes": 0, "compare": 2, "export": 0}, runs
+    assert "study quickstart: 21 runs -> studies/quickstart" in runs["study"]["stdout"]
+    assert not any("not found" in run["stdout"] for run in runs.values())
+    assert "`simulate` is now `plan`" in runs["simulate"]["stderr"] and not (tmp_path / "studies").exists()
 
 
 def test_plan_without_arguments_prints_a_nominal_plan_of_the_135m_shape(capsys):

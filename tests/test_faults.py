@@ -203,4 +203,3 @@ def test_sigterm_in_evaluation_or_the_final_drain_stops_at_once():
     assert test[0]["error"] == "StageTerminated" and test[0]["batches"] == 2, test
     assert "stage 0 (global rank 0) stopped at test batch 1" in test[0]["message"]
     assert test[1]["error"] == "PeerFailure" and test[1]["batches"] <= 3, test
-
