@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -204,12 +205,23 @@ def test_ablation_keys(tmp_path):
     assert cmd[cmd.index("--error_feedback.strength") + 1] == "1" and cmd[cmd.index("--delay.delay") + 1] == "1"
 
 
-@pytest.mark.parametrize("name", ["quickstart", "gutenberg-cpu", "smollm2-135m-gpu"])
+#: every shipped study file: those with a ``name`` (the rest of study/ are fit configs and data overrides they compose)
+SHIPPED_STUDIES = sorted(
+    p.relative_to(REPO / "recipes" / "study").with_suffix("").as_posix()
+    for p in (REPO / "recipes" / "study").rglob("*.yaml")
+    if re.search(r"^name:", p.read_text(), re.MULTILINE)
+)
+
+
+@pytest.mark.parametrize("name", SHIPPED_STUDIES)
 def test_shipped_studies_parse(name, monkeypatch):
     monkeypatch.chdir(REPO)
     study = load_study(REPO / "recipes" / "study" / f"{name}.yaml")
     specs = study.expand()
     assert specs and all(s.command[s.command.index("fit") - 1] for s in specs)
+    assert len({s.name for s in specs}) == len(specs)  # no two runs share a folder
+    for config in (c for s in specs for i, c in enumerate(s.command) if s.command[i - 1] == "--config"):
+        assert Path(config).is_file(), f"{name}: --config {config} is not a shipped file"
     if name == "quickstart":
         paper_optimizers = set(OPTIMIZER_NAMES) - {"asyncpp"}  # the paper's seven (asyncpp is AsyncPP's method)
         assert sorted(study.optimizers) == sorted(paper_optimizers) and len(specs) == 21
@@ -576,6 +588,33 @@ def test_run_env_shares_the_cores_among_the_jobs(tmp_path, monkeypatch):
         assert expected in spec.log_path.read_text().splitlines()
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert subprocess_runner(spec, jobs=2) == 0 and "threads 3" in spec.log_path.read_text()
+
+
+def autogroups_settable() -> bool:
+    """Whether this kernel has scheduler autogroups whose nice value we may set (writing our own value back)."""
+    try:
+        own = Path("/proc/self/autogroup").read_text().split()[-1]
+        Path("/proc/self/autogroup").write_text(own)
+    except (OSError, IndexError):
+        return False
+    return True
+
+
+@pytest.mark.skipif(not autogroups_settable(), reason="no scheduler autogroups to set on this kernel")
+def test_a_niced_study_runs_its_trainings_niced(tmp_path, monkeypatch):
+    """A run starts its own session, hence its own autogroup; ``nice lightning-async study`` must still reach it."""
+    # the run reports its autogroup's nice once it changes (or after 10 s)
+    script = ("import time\nfor _ in range(200):\n    group = open('/proc/self/autogroup').read().strip()\n"
+              "    if not group.endswith(' nice 0'): break\n    time.sleep(0.05)\nprint('group', group)")
+    spec = RunSpec(name="niced", optimizer=None, mode="sync", lr=None, seed=0, ef_strength=None, delay=None,
+                   run_dir=tmp_path / "runs" / "niced", log_path=tmp_path / "logs" / "niced.log",
+                   command=[sys.executable, "-c", script])
+    monkeypatch.setattr(os, "getpriority", lambda which, who: 7)  # as if started by `nice -n 7`
+    assert subprocess_runner(spec) == 0
+    (line,) = [s for s in spec.log_path.read_text().splitlines() if s.startswith("group ")]
+    assert line.endswith(" nice 7")
+    mine = Path("/proc/self/autogroup").read_text().split()[0]
+    assert line.split()[1] != mine  # its own group (the study's own was left alone)
 
 
 # ---- probe ------------------------------------------------------------------------------------

@@ -121,6 +121,25 @@ def run_env(jobs: int = 1, environ: Mapping[str, str] | None = None) -> dict[str
     return env
 
 
+def carry_niceness(pid: int) -> None:
+    """Give the run ``pid`` this process's nice value as its scheduler autogroup's nice.
+
+    A run starts its own session (so that a stop reaches all its ranks), and on Linux with autogroup scheduling
+    (``kernel.sched_autogroup_enabled``, the default on most distributions) a new session is a new group whose
+    CPU share ignores the processes' own nice values: ``nice lightning-async study`` would not yield to other
+    work. Writing the nice value to ``/proc/<pid>/autogroup`` restores what the user asked for; a no-op when
+    this process is not niced or the kernel has no autogroups.
+    """
+    nice = os.getpriority(os.PRIO_PROCESS, 0)
+    if nice <= 0:
+        return
+    try:
+        with open(f"/proc/{pid}/autogroup", "w") as group:
+            group.write(str(nice))
+    except OSError:  # no autogroup support, or the run has already ended
+        pass
+
+
 def _copy_lines(stream, log) -> None:
     for line in stream:
         log.write(line)
@@ -131,7 +150,8 @@ def subprocess_runner(spec: RunSpec, *, verbose: bool = False, grace: float | No
     """Run one training as a subprocess; its output goes to ``spec.log_path`` (and the terminal if verbose,
     each line prefixed with the run name when ``jobs`` > 1), its environment is :func:`run_env`.
 
-    The training runs in its own process group and its pid goes into the run's lock (and into ``running``,
+    The training runs in its own process group (at this process's niceness: :func:`carry_niceness`) and its pid
+    goes into the run's lock (and into ``running``,
     through which a study with several runs in flight stops them). When the study is interrupted in this
     thread (Ctrl-C, or SIGTERM under :func:`terminate_as_interrupt`) the same signal is passed on to that
     group and the study waits for the run to end (:func:`stop_run`) before re-raising.
@@ -143,6 +163,7 @@ def subprocess_runner(spec: RunSpec, *, verbose: bool = False, grace: float | No
         log.flush()
         proc = subprocess.Popen(spec.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=run_env(jobs),
                                 text=True, start_new_session=True)
+        carry_niceness(proc.pid)
         if running is not None:
             running.add(proc)
         try:
