@@ -12,8 +12,7 @@ from lightning.pytorch import LightningModule
 from torchmetrics import MeanMetric
 
 from lightning_async.models.objective import next_token_loss, split_next_token
-from lightning_async.optim import build_optimizer
-from lightning_async.optim.zoo import check_optimizer_settings
+from lightning_async.optim import build_optimizer, check_optimizer_settings
 from lightning_async.optim.schedules import warmup_cosine
 
 

@@ -12,7 +12,7 @@ from lightning_async.optim.corrections import (
 )
 from lightning_async.optim.delay import DelayedOptimizer, OptimizerWrapper, validate_delay
 from lightning_async.optim.delayed_step import delayed_step
-from lightning_async.optim.zoo import OPTIMIZER_NAMES, build_optimizer
+from lightning_async.optim.zoo import OPTIMIZER_NAMES, build_optimizer, check_optimizer_settings
 
 __all__ = [
     "AdaptiveErrorFeedback",
@@ -27,6 +27,7 @@ __all__ = [
     "OPTIMIZER_NAMES",
     "OptimizerWrapper",
     "build_optimizer",
+    "check_optimizer_settings",
     "delayed_step",
     "validate_delay",
 ]

@@ -150,11 +150,11 @@ def subprocess_runner(spec: RunSpec, *, verbose: bool = False, grace: float | No
     """Run one training as a subprocess; its output goes to ``spec.log_path`` (and the terminal if verbose,
     each line prefixed with the run name when ``jobs`` > 1), its environment is :func:`run_env`.
 
-    The training runs in its own process group (at this process's niceness: :func:`carry_niceness`) and its pid
-    goes into the run's lock (and into ``running``,
-    through which a study with several runs in flight stops them). When the study is interrupted in this
-    thread (Ctrl-C, or SIGTERM under :func:`terminate_as_interrupt`) the same signal is passed on to that
-    group and the study waits for the run to end (:func:`stop_run`) before re-raising.
+    The training runs in its own process group, at this process's niceness (:func:`carry_niceness`), and its pid
+    goes into the run's lock (and into ``running``, through which a study with several runs in flight stops
+    them). When the study is interrupted in this thread (Ctrl-C, or SIGTERM under :func:`terminate_as_interrupt`)
+    the same signal is passed on to that group and the study waits for the run to end (:func:`stop_run`) before
+    re-raising.
     """
     spec.log_path.parent.mkdir(parents=True, exist_ok=True)
     echo = f"{spec.name}: " if jobs > 1 else ""
