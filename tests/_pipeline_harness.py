@@ -128,11 +128,11 @@ def reference_run(
 
 def pipeline_run(
     stages: int, schedule: str, optimizer: str, ef: float, steps: int, clip: float | None, m: int, drain_at=(), prepost=None,
-    workload: Workload = SMOLLM2, activation_checkpointing: bool = False,
+    workload: Workload = SMOLLM2, activation_checkpointing: bool = False, shard_optimizer: bool = False,
 ):
     """Run inside a process of an initialised gloo group; returns this stage's weights by name, the losses,
-    the number of receives the transport pre-posted (``prepost``: see ``StageTransport``) and of the boundary
-    headers it sent.
+    the number of receives the transport pre-posted (``prepost``: see ``StageTransport``), of the boundary
+    headers it sent, and the runtime's memory report at the end (``shard_optimizer``: ZeRO-1 over the replicas).
 
     After the batches in ``drain_at`` the pipeline is evaluated under ``torch.inference_mode`` (as Lightning
     does on NCCL), which drains it; the update rule must not notice. The final evaluation uses a batch whose
@@ -154,6 +154,7 @@ def pipeline_run(
         units, schedule, m, w.split_batch, w.loss, make_optimizer, rank=rank, world_size=dist.get_world_size(),
         pipeline_parallel_size=stages, gradient_clip_val=clip, correction=correction_of(ef), autocast=contextlib.nullcontext,
         context_fn=getattr(model, "pipeline_context", None), activation_checkpointing=activation_checkpointing,
+        shard_optimizer=shard_optimizer,
     )
     stage, runtime, opt, sched = built.stage, built.runtime, built.runtime.optimizer, state["sched"]
     mesh = built.groups.mesh
@@ -177,7 +178,7 @@ def pipeline_run(
     weights = {by_param[id(p)]: p.detach().clone() for p in runtime.params}
     weights["eval_loss"] = runtime.eval_batch(w.eval_batch())
     losses = [None if x is None else float(x) for x in losses]
-    return weights, losses, runtime.transport.preposted, runtime.transport.headers_sent
+    return weights, losses, runtime.transport.preposted, runtime.transport.headers_sent, runtime.memory_report()
 
 
 def spawn(world: int, fn, *args, timeout: float = 240.0, reporting: int | None = None) -> list:

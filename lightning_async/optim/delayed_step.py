@@ -55,6 +55,7 @@ def delayed_step(
     out: Sequence[torch.Tensor],
     correction: Correction | None = None,
     hyperparameters: Sequence[dict] | None = None,
+    updated: Sequence[bool] | None = None,
 ) -> None:
     """Write ``newest - u(grads)`` (corrected if asked) into ``out`` and point ``params`` at it.
 
@@ -68,9 +69,14 @@ def delayed_step(
         correction: a staleness correction (:mod:`lightning_async.optim.corrections`); gradient-level ones run
             before the step, update-level ones after it (they need ``newest`` distinct from ``out`` to read ``u``).
         hyperparameters: per-group values (e.g. ``{"lr": ...}``) applied for this step only.
+        updated: which parameters this process updates (``None``: all). The others are left out of the step and
+            the correction, and their ``out`` is not written: the sharded optimizer
+            (:mod:`lightning_async.pipeline.sharding`) fills it with the new weights another replica computed.
     """
     active = correction is not None and correction.enabled
-    delayed = [(p, src, dst) for p, src, dst in zip(params, newest, out) if dst.data_ptr() != src.data_ptr()]
+    mine = [True] * len(params) if updated is None else list(updated)
+    grads = [g if own else None for g, own in zip(grads, mine)]
+    delayed = [(p, src, dst) for p, src, dst, own in zip(params, newest, out, mine) if own and dst.data_ptr() != src.data_ptr()]
     if active and correction.level == GRADIENT:
         correction.compensate_(
             optimizer, {p: g for p, g in zip(params, grads) if g is not None},

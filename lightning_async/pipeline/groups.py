@@ -52,9 +52,9 @@ def _make(mesh: PipelineMesh, rank: int, timeout: timedelta | None) -> PipelineG
     if mesh.data_parallel_size > 1:  # (with one replica there is nothing to average; every rank skips alike)
         for stage in range(mesh.pipeline_parallel_size):
             ranks = mesh.data_parallel_ranks(stage)
-            group = new_group(ranks)
+            group, gather = new_group(ranks), new_group(ranks)
             if rank in ranks:
-                groups.data_parallel = group
+                groups.data_parallel, groups.weight_gather = group, gather
     groups.metrics = new_group(list(range(mesh.world_size)))
     return groups
 

@@ -67,6 +67,7 @@ class PipelineGroups:
     p2p: object = None  # sends/receives along this rank's pipeline
     pipeline: object = None  # collectives of this pipeline's stages (global gradient norm)
     data_parallel: object = None  # this stage across replicas (gradient averaging)
+    weight_gather: object = None  # the same ranks, for the sharded optimizer's new weights (pipeline/sharding.py)
     tied: object = None  # first and last stage, when they share weights
     metrics: object = None  # every rank (loss reporting)
 

@@ -36,6 +36,7 @@ from lightning_async.pipeline import schedules
 from lightning_async.pipeline.boundary import flatten, rows, signature, split_rows, unflatten
 from lightning_async.pipeline.mesh import PipelineGroups
 from lightning_async.pipeline.p2p import PeerFailure, StageTransport
+from lightning_async.pipeline.sharding import OptimizerShards
 from lightning_async.pipeline.schedules import BACKWARD, FORWARD, GRADIENT_ACTIONS, INPUT_GRAD, UPDATE, WEIGHT_GRAD, ScheduleSpec
 from lightning_async.pipeline.stage import StageModule
 from lightning_async.pipeline.weight_grad import DeferredWeightGrads, split_linear_backward
@@ -109,6 +110,9 @@ class PipelineRuntime:
             passed as ``context=`` to the units whose forward takes it (``None``: no context).
         activation_checkpointing: recompute each unit's forward in the backward instead of keeping its
             activations (only each unit's input stays in flight); the update rule is unchanged.
+        shard_optimizer: ZeRO-1 over the data-parallel replicas (:mod:`~lightning_async.pipeline.sharding`): each
+            replica steps and keeps the optimizer state and correction buffers of its share of the parameters
+            only; the update rule is unchanged. Needs ``data_parallel_size > 1``.
     """
 
     def __init__(
@@ -128,6 +132,7 @@ class PipelineRuntime:
         device: torch.device | None = None,
         context_fn: Callable | None = None,
         activation_checkpointing: bool = False,
+        shard_optimizer: bool = False,
     ) -> None:
         self.groups = groups or PipelineGroups()
         self.spec = schedules.spec(schedule)
@@ -186,6 +191,23 @@ class PipelineRuntime:
         self.reported_losses: dict[int, torch.Tensor] = {}  # batch -> mean loss (after the metrics reduce)
         self._loss_works: dict[int, tuple[object, torch.Tensor]] = {}
         self.last_grad_norm: torch.Tensor | None = None
+        self.shards = self._make_shards() if shard_optimizer else None
+
+    def _make_shards(self) -> OptimizerShards:
+        g = self.groups
+        if g.data_parallel_size < 2 or g.weight_gather is None:
+            raise ValueError(
+                "shard_optimizer=True shards the optimizer state over data-parallel replicas, but this run has "
+                f"{g.data_parallel_size} replica. Add replicas (processes = stages x replicas, data_parallel_size > 1) "
+                "or set shard_optimizer=False."
+            )
+        return OptimizerShards(self.params, g.replica, g.data_parallel_size, g.weight_gather,
+                               lambda replica: g.mesh.rank_of(g.stage, replica))
+
+    def _finish_weight_transfers(self) -> None:
+        """Sharded optimizer: the other replicas' new weights are in the slots (a no-op otherwise)."""
+        if self.shards is not None and self.shards.in_flight:
+            self.shards.finish(lambda works, what: wait_collectives(works, what, self.groups, "data_parallel"))
 
     # ---- version bookkeeping -------------------------------------------------------------------
     def _slot(self, batch: int) -> list[torch.Tensor]:
@@ -308,6 +330,7 @@ class PipelineRuntime:
             self._apply_update(batch)
 
     def _apply_update(self, batch: int) -> None:
+        self._finish_weight_transfers()  # the newest weights, whole
         pending = self._pending.pop(batch)
         if pending.launch is not None:
             pending.launch()
@@ -319,15 +342,19 @@ class PipelineRuntime:
             for x in pending.grads:
                 if x is not None:
                     x.mul_(coef.to(x.dtype))
+        out = self._slot(batch + len(self.slots))  # 2BW: V(b+2) replaces V(b); sync: in place
         delayed_step(
             self.optimizer,
             self.params,
             pending.grads,
             newest=self.newest(),
-            out=self._slot(batch + len(self.slots)),  # 2BW: V(b+2) replaces V(b); sync: in place
+            out=out,
             correction=self.correction,
             hyperparameters=pending.hyperparameters,
+            updated=None if self.shards is None else self.shards.owned,
         )
+        if self.shards is not None:
+            self.shards.start(out)  # waited for before the slot is next read
 
     # ---- calls ------------------------------------------------------------------------------------
     def _microbatches(self, inputs, targets) -> tuple[list, list]:
@@ -447,6 +474,7 @@ class PipelineRuntime:
         self._hyper[b] = scheduled_values(self.optimizer)  # the update of batch b uses batch b's lr, momentum...
         for old in [k for k in self._pending if k <= b - 2]:
             self._apply_update(old)
+        self._finish_weight_transfers()
         actions = self.spec.call_actions(self.groups.stage, self.groups.num_stages, self.n_microbatches, b, self.fresh)
         self._run(actions)
         if not self.is_last:
@@ -473,6 +501,7 @@ class PipelineRuntime:
         self._run(self.spec.drain_actions(self.groups.stage, self.groups.num_stages, self.n_microbatches, last))
         for b in sorted(self._pending):
             self._apply_update(b)
+        self._finish_weight_transfers()
         self._batch_data.clear()
         self.transport.flush()
         self.fresh = True

@@ -1,0 +1,87 @@
+"""ZeRO-1 over the data-parallel replicas: the sharded optimizer follows the unsharded run to float tolerance.
+
+Every scenario runs sharded and unsharded in the same spawn; the weights of every rank, the losses and the final
+evaluation must agree, and each replica must hold only its share of the optimizer state and correction buffers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+
+import _pipeline_harness as harness
+from _pipeline_harness import pipeline_run, spawn
+from lightning_async.pipeline.sharding import balanced_owners
+
+STEPS = 8
+# Keyed by the number of processes (2 stages x 2 or x 3 replicas): (schedule, optimizer, correction, clip).
+SCENARIOS = {
+    4: [
+        ("2bw", "adamw", 1.0, 1.0),
+        ("2bw", "muon", 1.0, 0.5),
+        ("1f1b", "adamw", 0.0, 1.0),
+        ("zbv", "muon", 0.0, None),
+        ("2bw-split", "adamw", 0.0, 1.0),
+    ],
+    6: [
+        ("2bw", "adamw", 1.0, 1.0),
+        ("2bw", "muon", 0.0, 1.0),
+        ("zbh1", "adamw", 0.0, None),
+    ],
+}
+
+
+# batches of 24 rows (the shrunk one 12): every replica's share splits into 2 micro-batches for 2 and 3 replicas
+WORKLOAD = dataclasses.replace(harness.SMOLLM2, make_batches=functools.partial(harness.make_batches, batch_size=24))
+
+
+def _both(world: int) -> list:
+    out = []
+    for schedule, optimizer, ef, clip in SCENARIOS[world]:
+        runs = [pipeline_run(2, schedule, optimizer, ef, STEPS, clip, m=2, drain_at=(3,), workload=WORKLOAD,
+                             shard_optimizer=shard)
+                for shard in (False, True)]
+        out.append(runs)
+    return out
+
+
+@pytest.fixture(scope="module", params=[4, 6], ids=["2x2", "2x3"])
+def sharded_results(request):
+    world = request.param
+    return world, spawn(world, _both, world, timeout=300)
+
+
+@pytest.mark.slow
+def test_sharded_equals_unsharded(sharded_results):
+    world, per_rank = sharded_results
+    for index, scenario in enumerate(SCENARIOS[world]):
+        for rank, results in enumerate(per_rank):
+            (plain, plain_losses, *_), (sharded, sharded_losses, *_) = results[index]
+            assert set(plain) == set(sharded)
+            worst = max((plain[n] - sharded[n]).abs().max().item() for n in plain)
+            assert worst < 1e-6, f"{scenario} rank {rank}: max |sharded - unsharded| = {worst}"
+            assert sharded_losses == pytest.approx(plain_losses, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_each_replica_holds_its_share_of_the_state(sharded_results):
+    world, per_rank = sharded_results
+    replicas = world // 2
+    for index, (schedule, _optimizer, ef, _clip) in enumerate(SCENARIOS[world]):
+        for stage in range(2):
+            plain = per_rank[stage][index][0][4]
+            shares = [per_rank[r * 2 + stage][index][1][4] for r in range(replicas)]
+            assert sum(s["optimizer_state"] for s in shares) == plain["optimizer_state"]
+            assert max(s["optimizer_state"] for s in shares) < 0.75 * plain["optimizer_state"]
+            if ef:
+                assert sum(s["correction"] for s in shares) == plain["correction"] > 0
+                assert max(s["correction"] for s in shares) < 0.75 * plain["correction"]
+
+
+def test_balanced_owners():
+    assert balanced_owners([10, 1, 1, 8, 2], 2) == [0, 0, 1, 1, 1]  # loads 11 and 11
+    owners = balanced_owners([5] * 7, 3)
+    assert sorted(owners.count(r) for r in range(3)) == [2, 2, 3]
+    assert balanced_owners([3, 2], 1) == [0, 0]
