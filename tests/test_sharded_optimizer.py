@@ -85,3 +85,59 @@ def test_balanced_owners():
     owners = balanced_owners([5] * 7, 3)
     assert sorted(owners.count(r) for r in range(3)) == [2, 2, 3]
     assert balanced_owners([3, 2], 1) == [0, 0]
+
+
+# ---- through Lightning: 2 stages x 2 replicas, checkpoints moving between sharded and unsharded runs ------------
+def _strategy(shard: bool):
+    from lightning_async.strategies import AsyncPipelineStrategy
+
+    return AsyncPipelineStrategy(pipeline_parallel_size=2, n_microbatches=2, correction="ef", shard_optimizer=shard)
+
+
+def _lightning_fits(tmp: str) -> dict:
+    import os
+
+    from _pipeline_harness import as_torchrun
+    from test_strategy import fit
+
+    as_torchrun()
+    plain_dir, sharded_dir = os.path.join(tmp, "plain"), os.path.join(tmp, "sharded")
+    return {
+        "plain": fit(_strategy(False), 4, ckpt_dir=plain_dir),
+        "sharded": fit(_strategy(True), 4, ckpt_dir=sharded_dir),
+        "files": sorted(os.listdir(os.path.join(sharded_dir, "step=4.ckpt"))),
+        "sharded_resumed": fit(_strategy(True), 4, ckpt_path=os.path.join(sharded_dir, "step=4.ckpt")),
+        "sharded_to_plain": fit(_strategy(False), 4, ckpt_path=os.path.join(sharded_dir, "step=4.ckpt")),
+        "plain_to_sharded": fit(_strategy(True), 4, ckpt_path=os.path.join(plain_dir, "step=4.ckpt")),
+    }
+
+
+@pytest.fixture(scope="module")
+def lightning_fits(tmp_path_factory):
+    return spawn(4, _lightning_fits, str(tmp_path_factory.mktemp("sharded")), timeout=300)
+
+
+@pytest.mark.slow
+def test_sharded_fit_and_every_resume_equal_the_unsharded_fit(lightning_fits):
+    for run in ("sharded", "sharded_resumed", "sharded_to_plain", "plain_to_sharded"):
+        for rank, results in enumerate(lightning_fits):
+            plain, sharded = results["plain"][0], results[run][0]
+            worst = max((plain[k] - sharded[k]).abs().max().item() for k in plain)
+            assert worst < 1e-6, f"{run}, rank {rank}: max |diff| = {worst}"
+            assert results[run][1]["train/loss"] == pytest.approx(results["plain"][1]["train/loss"], abs=1e-6)
+    for rank, results in enumerate(lightning_fits):  # (a resumed fit validates at other batches: see test_strategy)
+        assert results["sharded"][1]["val/loss"] == pytest.approx(results["plain"][1]["val/loss"], abs=1e-6)
+    assert lightning_fits[0]["files"] == [
+        "meta.json", "stage-00.ckpt", "stage-00.replica-01.ckpt", "stage-01.ckpt", "stage-01.replica-01.ckpt",
+    ]
+
+
+def test_sharding_one_replica_is_refused_before_launch():
+    import lightning as L
+
+    from lightning_async.strategies import AsyncPipelineStrategy
+
+    strategy = AsyncPipelineStrategy(shard_optimizer=True)
+    L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
+    with pytest.raises(ValueError, match=r"shard_optimizer=True .* one replica \(2 processes = 2 stages x 1\)"):
+        strategy.validate_mesh()

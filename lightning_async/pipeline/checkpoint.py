@@ -1,5 +1,10 @@
 """The on-disk format of pipeline checkpoints: a directory with ``meta.json`` and one ``stage-NN.ckpt`` per stage.
 
+Under the sharded optimizer (ZeRO-1) each further replica ``r`` of a stage adds ``stage-NN.replica-RR.ckpt``: its
+share of the optimizer state and of the correction's buffers (``meta.json``'s ``optimizer_shares`` says how many
+replicas wrote one). On load the shares of a stage are merged (:func:`merge_replica_shares`), so a checkpoint moves
+between replica counts and between sharded and unsharded runs of the same split.
+
 (No Lightning here: the strategy's collective save and load are in :mod:`lightning_async.strategies.checkpoints`.)
 
 Writing is atomic as a directory: the stages write into ``<path>.partial``, then rank 0 writes
@@ -31,6 +36,12 @@ MARKER = "meta.json"
 
 def stage_file(path: str | os.PathLike, stage: int) -> str:
     return os.path.join(os.fspath(path), f"stage-{stage:02d}.ckpt")
+
+
+def replica_file(path: str | os.PathLike, stage: int, replica: int) -> str:
+    """Replica ``replica``'s share of stage ``stage``'s optimizer state (sharded optimizer; replica 0's is in the
+    stage file)."""
+    return os.path.join(os.fspath(path), f"stage-{stage:02d}.replica-{replica:02d}.ckpt")
 
 
 def staging_dir(path: str | os.PathLike) -> str:
@@ -90,7 +101,7 @@ def _move_into_place(path: str) -> None:
 
 
 # what a pipeline checkpoint directory holds (and all that :func:`recover` ever removes)
-_CHECKPOINT_FILE = re.compile(r"stage-\d+\.ckpt|meta\.json(\.tmp)?")
+_CHECKPOINT_FILE = re.compile(r"stage-\d+(\.replica-\d+)?\.ckpt|meta\.json(\.tmp)?")
 
 
 def _holds_only_checkpoint_files(path: str) -> bool:
@@ -195,9 +206,11 @@ def read_meta(path: str | os.PathLike) -> dict:
         return json.load(f)
 
 
-def load_stage(path: str | os.PathLike, stage: int, load: Callable[[str], dict] | None = None) -> dict:
-    """Stage ``stage``'s checkpoint dict; a damaged or missing file is named in the error."""
-    file = stage_file(path, stage)
+def load_stage(path: str | os.PathLike, stage: int, load: Callable[[str], dict] | None = None,
+               replica: int = 0) -> dict:
+    """Stage ``stage``'s checkpoint dict (``replica`` > 0: that replica's optimizer share); a damaged or missing file
+    is named in the error."""
+    file = stage_file(path, stage) if replica == 0 else replica_file(path, stage, replica)
     if not os.path.isfile(file):
         raise ValueError(f"Pipeline checkpoint {os.fspath(path)} is incomplete: {file} is missing.")
     try:
@@ -207,6 +220,38 @@ def load_stage(path: str | os.PathLike, stage: int, load: Callable[[str], dict] 
             f"Cannot read pipeline checkpoint file {file} ({type(err).__name__}: {err}). The file is damaged "
             "(a truncated copy or an interrupted write): resume from another checkpoint."
         ) from err
+
+
+def replica_share(checkpoint: dict, stage: int, replica: int) -> dict:
+    """What replica ``replica`` of a sharded stage writes beside the stage file: its share of the optimizer state
+    (by the optimizer's parameter index, as in ``optimizer.state_dict()``) and of the correction's buffers."""
+    runtime = checkpoint.get("pipeline_runtime") or {}
+    return {
+        "pipeline": {"stage": stage, "replica": replica},
+        "global_step": checkpoint.get("global_step"),
+        "optimizer_state": [o["state"] for o in checkpoint.get("optimizer_states", [])],
+        "correction": runtime.get("correction"),
+    }
+
+
+def merge_replica_shares(path: str | os.PathLike, checkpoint: dict, shares: list[dict]) -> dict:
+    """``checkpoint`` (a stage file) with the optimizer state and correction buffers of its other replicas' shares
+    filled in; a share from another step is refused."""
+    for share in shares:
+        if share.get("global_step") != checkpoint.get("global_step"):
+            raise ValueError(
+                f"Pipeline checkpoint {os.fspath(path)} mixes files: replica {share['pipeline']['replica']}'s optimizer "
+                f"share of stage {share['pipeline']['stage']} is from step {share.get('global_step')}, the stage file "
+                f"from step {checkpoint.get('global_step')}. Resume from another checkpoint."
+            )
+        for optimizer, state in zip(checkpoint.get("optimizer_states", []), share["optimizer_state"]):
+            optimizer["state"].update(state)
+        saved, extra = (checkpoint.get("pipeline_runtime") or {}).get("correction"), share.get("correction")
+        if saved is not None and extra is not None:
+            for name, buffers in saved.items():
+                if isinstance(buffers, list):
+                    saved[name] = [mine if mine is not None else theirs for mine, theirs in zip(buffers, extra[name])]
+    return checkpoint
 
 
 def stage_identity(checkpoint: dict) -> dict:

@@ -574,6 +574,16 @@ class PipelineRuntime:
             "correction": None if self.correction is None else self.correction.state_dict(self.params),
         }
 
+    def optimizer_share(self, optimizer_state: dict) -> dict:
+        """``optimizer_state`` (an ``optimizer.state_dict()``, possibly merged from every replica's share) reduced to
+        the parameters this replica updates under the sharded optimizer (unchanged without sharding)."""
+        if self.shards is None:
+            return optimizer_state
+        owned = {id(p) for p, mine in zip(self.params, self.shards.owned) if mine}
+        order = [p for group in self.optimizer.param_groups for p in group["params"]]
+        state = {i: v for i, v in optimizer_state["state"].items() if id(order[int(i)]) in owned}
+        return {**optimizer_state, "state": state}
+
     def load_state_dict(self, state: dict) -> None:
         if state["schedule"] != self.schedule:
             raise ValueError(f"Checkpoint was written with schedule {state['schedule']!r}, this run uses {self.schedule!r}.")
@@ -585,6 +595,9 @@ class PipelineRuntime:
         for p, t in zip(self.params, self.slots[state["newest_slot"]]):
             p.data = t.data
         saved = state.get("correction", state.get("error_feedback"))  # (the key of checkpoints before 0.2)
+        if self.shards is not None and saved is not None:  # keep this replica's share of the buffers
+            saved = {k: [b if mine else None for b, mine in zip(v, self.shards.owned)] if isinstance(v, list) else v
+                     for k, v in saved.items()}
         if self.correction is not None and saved is not None:
             self.correction.load_state_dict(saved, self.params)
         self.fresh = True

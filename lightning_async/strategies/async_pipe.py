@@ -94,6 +94,10 @@ class AsyncPipelineStrategy(DDPStrategy):
         error_feedback: deprecated: ``correction={"method": "ef", "strength": error_feedback}``.
         activation_checkpointing: recompute each pipeline unit's forward in the backward, so a stage keeps only
             its units' inputs for the micro-batches in flight (less memory, about one more forward of compute).
+        shard_optimizer: ZeRO-1 over the data-parallel replicas (Megatron's distributed optimizer): each replica of
+            a stage keeps and steps the optimizer state (and the correction's buffers) of its share of the
+            stage's parameters, whole parameters balanced by size, and sends the new weights to the others; the
+            update rule is unchanged (``docs/pipeline.md``, "Many replicas"). Needs ``data_parallel_size > 1``.
         start_method: ``"popen"`` (re-run the script: CLI, torchrun, SLURM) or ``"spawn"`` (notebooks, tests).
         timeout: seconds any wait on another rank may last (every send, receive and collective of the pipeline's
             groups) before it raises ``PeerFailure`` naming the silent stage.
@@ -115,6 +119,7 @@ class AsyncPipelineStrategy(DDPStrategy):
         correction: str | dict | Correction | None = None,
         error_feedback: float | None = None,
         activation_checkpointing: bool = False,
+        shard_optimizer: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta | int | None = 300,
         start_method: str = "popen",
@@ -136,6 +141,7 @@ class AsyncPipelineStrategy(DDPStrategy):
         self._pp_size, self._dp_size = pipeline_parallel_size, data_parallel_size
         self.partition = partition
         self.activation_checkpointing = bool(activation_checkpointing)
+        self.shard_optimizer = bool(shard_optimizer)
         self.runtime: PipelineRuntime | None = None
         self.stage_units: list[list[str]] = []
         self.checkpoints = PipelineCheckpoints(self)
@@ -188,6 +194,12 @@ class AsyncPipelineStrategy(DDPStrategy):
     def validate_mesh(self) -> None:
         """Every check that needs no communication; raised identically on every rank."""
         pp = self.pipeline_parallel_size  # (raises if the sizes do not tile the world)
+        if self.shard_optimizer and self.data_parallel_size < 2:
+            raise ValueError(
+                f"shard_optimizer=True shards the optimizer state over data-parallel replicas, but this run has one "
+                f"replica ({self.world} processes = {pp} stages x 1). Use processes = stages x replicas with "
+                "data_parallel_size > 1 (e.g. devices=4, pipeline_parallel_size=2), or set shard_optimizer=False."
+            )
         spec = self.schedule_spec
         spec.validate(pp, self.n_microbatches)
         backend = self._process_group_backend
@@ -348,6 +360,7 @@ class AsyncPipelineStrategy(DDPStrategy):
             gradient_clip_val=clip, correction=self.make_correction(), autocast=self.precision_plugin.forward_context,
             device=self.root_device, context_fn=getattr(module, "pipeline_context", None),
             activation_checkpointing=self.activation_checkpointing,
+            shard_optimizer=self.shard_optimizer and trainer.state.fn == TrainerFn.FITTING,
         )
 
     def use_correction(self, setting) -> None:
@@ -511,6 +524,14 @@ class AsyncPipelineStrategy(DDPStrategy):
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         if self.runtime is not None and "pipeline_runtime" in checkpoint and fitting:
             self.runtime.load_state_dict(checkpoint["pipeline_runtime"])  # evaluation needs the newest weights only
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        """As Lightning does, keeping only this replica's share under the sharded optimizer (a checkpoint holds every
+        replica's share, or the whole state from an unsharded run)."""
+        if self.runtime is not None and "optimizer_states" in checkpoint:
+            checkpoint = {**checkpoint, "optimizer_states": [self.runtime.optimizer_share(s) for s in checkpoint["optimizer_states"]]}
+        super().load_optimizer_state_dict(checkpoint)
 
     @override
     def remove_checkpoint(self, filepath) -> None:

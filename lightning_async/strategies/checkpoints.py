@@ -40,18 +40,29 @@ class PipelineCheckpoints:
             if s.global_rank == 0:
                 layout.begin_save(filepath)
             self._barrier("prepared", filepath)
-            if s.data_parallel_rank == 0:
-                if s.runtime is not None:
-                    checkpoint["pipeline_runtime"] = s.runtime.state_dict()
+            staging, replica = layout.staging_dir(filepath), s.data_parallel_rank
+            if s.runtime is not None and (replica == 0 or self._shares > 1):
+                checkpoint["pipeline_runtime"] = s.runtime.state_dict()
+            if replica == 0:
                 checkpoint["pipeline"] = {"stage": s.stage, **self._split()}
-                s.checkpoint_io.save_checkpoint(checkpoint, layout.stage_file(layout.staging_dir(filepath), s.stage))
+                s.checkpoint_io.save_checkpoint(checkpoint, layout.stage_file(staging, s.stage))
+            elif self._shares > 1:  # the sharded optimizer: this replica's share of the state
+                share = layout.replica_share(checkpoint, s.stage, replica)
+                s.checkpoint_io.save_checkpoint(share, layout.replica_file(staging, s.stage, replica))
             self._barrier("written", filepath)
             if s.global_rank == 0:
-                layout.publish(filepath, {**self._split(), "global_step": checkpoint.get("global_step")})
+                meta = {**self._split(), "global_step": checkpoint.get("global_step"), "optimizer_shares": self._shares}
+                layout.publish(filepath, meta)
             self._barrier("published", filepath)
         except BaseException:
             layout.discard_save(filepath)
             raise
+
+    @property
+    def _shares(self) -> int:
+        """How many replicas write a share of each stage's optimizer state (1: replica 0 writes it all)."""
+        runtime = self.strategy.runtime
+        return self.strategy.data_parallel_size if runtime is not None and runtime.shards is not None else 1
 
     def _split(self) -> dict:
         s = self.strategy
@@ -112,7 +123,10 @@ class PipelineCheckpoints:
                     f"Checkpoint {path} has {meta['stages']} stages, this run has {s.pipeline_parallel_size}. "
                     "Resume with the same pipeline_parallel_size, or consolidate it with lightning_async.pipeline.checkpoint."
                 )
-            checkpoint = layout.load_stage(path, s.stage, lambda file: s.checkpoint_io.load_checkpoint(file, weights_only=False))
+            read = lambda file: s.checkpoint_io.load_checkpoint(file, weights_only=False)  # noqa: E731
+            checkpoint = layout.load_stage(path, s.stage, read)
+            shares = [layout.load_stage(path, s.stage, read, replica=r) for r in range(1, meta.get("optimizer_shares", 1))]
+            checkpoint = layout.merge_replica_shares(path, checkpoint, shares)
             identity = layout.stage_identity(checkpoint)
         except ValueError as err:
             meta, problem = None, str(err)
