@@ -20,7 +20,12 @@ Two parts, one table each:
 On the CPU, RSS is a rough witness only: the allocator keeps freed blocks, reuses them, and returns large ones to
 the OS at once, so the RSS growth does not resolve activation peaks of a few MiB; read the per-term columns.
 
+* **replicas** (``--data-parallel 1 2 4``): the same measurement on p x dp processes, with the optimizer state
+  sharded over the replicas (ZeRO-1, ``shard_optimizer``) and not: every rank's terms, and the model's. The optimizer
+  state and the EF buffer fall as 1/dp when sharded; weights, versions, gradients and activations do not.
+
     python benchmarks/memory.py --json runs/memory.json
+    python benchmarks/memory.py --configs 2bw+ef 1f1b --data-parallel 1 2 4 --analytic-models
 """
 
 from __future__ import annotations
@@ -142,7 +147,7 @@ def measured_worker(cfg: dict) -> dict:
         for _ in range(cfg["steps"])
     ]
     inputs, targets = split_next_token(batches[0][: cfg["micro_batch"]])
-    pieces = [spec.piece(rank, c, p) for c in range(spec.chunks)]
+    pieces = [spec.piece(rank % p, c, p) for c in range(spec.chunks)]
     firsts = chunk_inputs(units, stage_units, pieces, inputs, device)
     measure = {}
 
@@ -164,7 +169,7 @@ def measured_worker(cfg: dict) -> dict:
         units, spec, cfg["m"], split_next_token, next_token_loss, make_optimizer, rank=rank,
         world_size=dist.get_world_size(), pipeline_parallel_size=p, stage_units=stage_units,
         correction=None if ef is None else ErrorFeedbackCorrection(ef), autocast=contextlib.nullcontext, device=device,
-        context_fn=context_fn, activation_checkpointing=recompute,
+        context_fn=context_fn, activation_checkpointing=recompute, shard_optimizer=cfg.get("shard", False),
     )
     runtime, act = built.runtime, measure["act"]
     peak = {"inflight": 0, "activations": 0, "grads": 0}
@@ -198,7 +203,7 @@ def measured_worker(cfg: dict) -> dict:
         runtime.collect_loss(len(batches) - 1)
     elapsed = time.perf_counter() - t0
     rss0 = measure["rss0"]
-    out = dict(runtime.memory_report(), stage=rank, activation_bytes_per_chunk=act,
+    out = dict(runtime.memory_report(), stage=rank % p, replica=rank // p, activation_bytes_per_chunk=act,
                activation_bytes_per_microbatch=sum(act))
     out["peak_inflight_microbatches"] = peak["inflight"]
     out["peak_activation_bytes"] = peak["activations"]
@@ -211,33 +216,58 @@ def measured_worker(cfg: dict) -> dict:
     return out
 
 
-def measured(args) -> list[dict]:
+def measured(args, dp: int = 1, shard: bool = False) -> list[dict]:
     rows = []
     for config in args.configs:
         cfg = dict(model=args.model, p=args.p, m=args.m, micro_batch=args.micro_batch, seq_len=args.seq_len,
-                   steps=args.steps, config=config, device=args.device)
+                   steps=args.steps, config=config, device=args.device, shard=shard)
         schedule, ef, _ = CONFIGS[config]
-        ranks = spawn(args.p, cfg)
+        ranks = spawn(args.p * dp, cfg)
         spec = schedules.spec(schedule)
         piece_bytes = [0] * spec.virtual_stages(args.p)
         for r in ranks:
             for c, nbytes in enumerate(r["activation_bytes_per_chunk"]):
                 piece_bytes[spec.piece(r["stage"], c, args.p)] = nbytes
+        first = ranks[: args.p]  # replica 0's stages (the model's inputs); under sharding, the whole stage's state
+        whole = [sum(r["optimizer_state"] for r in ranks if r["stage"] == s) if shard else first[s]["optimizer_state"]
+                 for s in range(args.p)]
         model = schedule_memory(
-            schedule, args.p, args.m, [r["parameters"] for r in ranks], [r["optimizer_state"] for r in ranks],
-            piece_bytes if spec.chunks > 1 else [r["activation_bytes_per_microbatch"] for r in ranks],
-            correction_buffers=1 if ef else 0,
+            schedule, args.p, args.m, [r["parameters"] for r in first], whole,
+            piece_bytes if spec.chunks > 1 else [r["activation_bytes_per_microbatch"] for r in first],
+            correction_buffers=1 if ef else 0, data_parallel_size=dp, shard_optimizer=shard,
         )
-        for r, theory in zip(ranks, model):
+        for r in ranks:
+            theory = model[r["stage"]]
             accounted = (r["weight_versions"] + r["optimizer_state"] + r["correction"] + r["peak_gradient_bytes"]
                          + r["peak_activation_bytes"])
             rows.append(dict(
                 r, config=config, sim_peak_inflight=theory["inflight_microbatches"] * schedules.spec(schedule).chunks,
                 theory_weight_versions=theory["weights"], theory_error_feedback=theory["correction"],
                 theory_gradient_bytes=theory["gradients"], theory_activations=theory["activations"],
-                theory_total=theory["total"], accounted_total=accounted,
+                theory_total=theory["total"], accounted_total=accounted, dp=dp, sharded=shard,
+                theory_optimizer=theory["optimizer"],
             ))
     return rows
+
+
+def replicas_table(rows: list[dict]) -> str:
+    """Per rank and replica count, sharded or not: the terms that ZeRO-1 splits (optimizer state, EF) and those it
+    does not, each measured / modelled, and the optimizer term as a share of the one-replica run's."""
+    single = {(r["config"], r["stage"]): r["optimizer_state"] + r["correction"] for r in rows if r["dp"] == 1}
+    head = ("config", "dp", "sharded", "stage", "replica", "versions MiB", "grads peak MiB", "AdamW MiB meas / model",
+            "EF MiB meas / model", "(AdamW + EF) / dp=1", "activations peak MiB", "accounted MiB")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        base = single.get((r["config"], r["stage"]))
+        ratio = f"{(r['optimizer_state'] + r['correction']) / base:.3f}" if base else "-"
+        lines.append("| " + " | ".join([
+            r["config"], str(r["dp"]), "yes" if r["sharded"] else "no", str(r["stage"]), str(r["replica"]),
+            _mib(r["weight_versions"]), _mib(r["peak_gradient_bytes"]),
+            f"{_mib(r['optimizer_state'])} / {_mib(r['theory_optimizer'])}",
+            f"{_mib(r['correction'])} / {_mib(r['theory_error_feedback'])}", ratio,
+            _mib(r["peak_activation_bytes"]), _mib(r["accounted_total"]),
+        ]) + " |")
+    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------------ analytic
@@ -348,6 +378,8 @@ def main() -> None:
     parser.add_argument("--analytic-seq-len", type=int, default=2048)
     parser.add_argument("--analytic-micro-batch", type=int, default=1)
     parser.add_argument("--skip-measured", action="store_true")
+    parser.add_argument("--data-parallel", nargs="+", type=int, default=None,
+                        help="replica counts of the replicas table (each > 1 measured sharded and not)")
     parser.add_argument("--json", default=None, help="write the rows here")
     args = parser.parse_args()
     if args.device == "cuda" and torch.cuda.device_count() < args.p:
@@ -369,6 +401,12 @@ def main() -> None:
         if args.device == "cpu":
             print("\nCPU: the RSS column is a rough witness only (allocator caching); peak activation memory is "
                   "not measured reliably by RSS. Read the per-term columns.")
+    if args.data_parallel:
+        rows = [row for dp in args.data_parallel for shard in ((False, True) if dp > 1 else (False,))
+                for row in measured(args, dp, shard)]
+        result["replicas"] = rows
+        print(f"\nReplicas: {args.model}, p={args.p}, m={args.m} per replica, AdamW, sharded (ZeRO-1) and not\n")
+        print(replicas_table(rows))
     if args.analytic_models:
         rows = analytic(args)
         result["analytic"] = rows

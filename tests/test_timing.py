@@ -233,6 +233,44 @@ def test_the_map_leaves_out_schedules_over_the_memory_budget(tmp_path, capsys):
     assert "--weight-fraction must be in [0, 1)" in capsys.readouterr().err
 
 
+def test_the_map_at_a_global_batch_over_replica_counts(tmp_path, capsys):
+    """``--global-batch G --data-parallel ...``: m = G / (dp x micro-batch) per pipeline; the sharded optimizer
+    lowers the memory per rank by the optimizer state's (dp - 1) / dp; bad combinations are one-line errors."""
+    from lightning_async.tools.plan import plan_main
+
+    def rows(*extra):
+        out = tmp_path / "map.json"
+        assert plan_main(["--compare", "--stages", "4", "--global-batch", "32", "--micro-batch-size", "2",
+                          "--data-parallel", "1", "2", "4", "3", *extra, "--json", str(out)]) == 0
+        return {r["dp"]: r for r in json.loads(out.read_text())["rows"]}
+
+    plain, sharded = rows(), rows("--shard-optimizer")
+    assert {dp: r["m"] for dp, r in plain.items()} == {1: 16, 2: 8, 4: 4}  # dp=3 does not split 32
+    assert "dp=3: the global batch 32 does not split" in capsys.readouterr().out
+    gain = {dp: r["2bw_over_best_sync"] for dp, r in plain.items()}
+    assert gain[4] > gain[1] + 0.02 and gain[2] > gain[1] - 1e-9  # fewer micro-batches per pipeline: 2BW gains
+    for dp in (2, 4):
+        saved = plain[dp]["schedules"]["2bw"]["peak_bytes"] - sharded[dp]["schedules"]["2bw"]["peak_bytes"]
+        assert saved > 0
+    assert plain[1]["schedules"]["2bw"]["peak_bytes"] == sharded[1]["schedules"]["2bw"]["peak_bytes"]
+    assert plan_main(["--compare", "--data-parallel", "2"]) == 2
+    assert "--data-parallel needs --global-batch" in capsys.readouterr().err
+    assert plan_main(["--global-batch", "8"]) == 2
+    assert "add --compare" in capsys.readouterr().err
+
+
+def test_schedule_memory_shards_the_optimizer_and_correction_over_replicas():
+    from lightning_async.pipeline.timing import schedule_memory
+
+    plain = schedule_memory("2bw", 2, 4, 1000, 2000, 10, correction_buffers=1, data_parallel_size=4)
+    sharded = schedule_memory("2bw", 2, 4, 1000, 2000, 10, correction_buffers=1, data_parallel_size=4, shard_optimizer=True)
+    for a, b in zip(plain, sharded):
+        assert (b["optimizer"], b["correction"]) == (a["optimizer"] // 4, a["correction"] // 4)
+        assert (b["weights"], b["gradients"], b["activations"]) == (a["weights"], a["gradients"], a["activations"])
+    with pytest.raises(ValueError, match="shard_optimizer needs data_parallel_size > 1"):
+        schedule_memory("2bw", 2, 4, 1000, 2000, 10, shard_optimizer=True)
+
+
 def test_plan_command_measures_a_tiny_model(tmp_path, capsys):
     from lightning_async.tools.plan import plan_main
 

@@ -480,6 +480,8 @@ def schedule_memory(
     activation_bytes: int | Sequence[int],
     correction_buffers: int = 0,
     grad_bytes: int | Sequence[int] | None = None,
+    data_parallel_size: int = 1,
+    shard_optimizer: bool = False,
 ) -> list[dict[str, int]]:
     """Per rank, the bytes ``schedule`` holds at its peak: weights (one version per ``weight_versions``), one
     gradient accumulator, optimizer state, a correction's parameter-sized buffers (EF: 1), and the activations of the
@@ -489,8 +491,13 @@ def schedule_memory(
     ``param_bytes``/``optimizer_bytes``/``grad_bytes`` (default ``param_bytes``): a rank's share, a scalar or one value
     per rank, the same whatever the schedule. ``activation_bytes``: what one micro-batch saves for the backward on a
     rank's whole share (a scalar or one per rank: a schedule with ``v`` chunks holds ``v`` pieces of ``1/v`` of it
-    each), or one value per piece.
+    each), or one value per piece. ``shard_optimizer`` (ZeRO-1 over ``data_parallel_size`` replicas): the optimizer
+    state and the correction's buffers are split evenly over the replicas (the runtime's shares are whole parameters
+    balanced by size, so a stage of few large tensors holds a little more; ``benchmarks/memory.py`` measures it).
     """
+    if shard_optimizer and data_parallel_size < 2:
+        raise ValueError("shard_optimizer needs data_parallel_size > 1 (the state is split over the replicas).")
+    share = data_parallel_size if shard_optimizer else 1
     s_ = spec(schedule)
     p = num_stages
     lists = [s_.run_actions(r, p, n_microbatches, 2) for r in range(p)]
@@ -506,8 +513,8 @@ def schedule_memory(
     out = []
     for r in range(p):
         row = {
-            "weights": s_.weight_versions * params[r], "gradients": grads[r], "optimizer": opt[r],
-            "correction": correction_buffers * params[r], "activations": int(round(activations[r])),
+            "weights": s_.weight_versions * params[r], "gradients": grads[r], "optimizer": opt[r] // share,
+            "correction": correction_buffers * params[r] // share, "activations": int(round(activations[r])),
             "inflight_microbatches": inflight[r],
         }
         row["total"] = row["weights"] + row["gradients"] + row["optimizer"] + row["correction"] + row["activations"]

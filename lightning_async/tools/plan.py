@@ -108,6 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--memory-gib", type=float, help="memory per stage: schedules that need more are left out")
     cmp.add_argument("--worth", type=float, default=1.05,
                      help="2BW is recommended only when at least this many times faster than the best sync schedule")
+    cmp.add_argument("--global-batch", type=int,
+                     help="sequences per optimizer step over all replicas: m = G / (replicas x --micro-batch-size) "
+                          "per pipeline, for each --data-parallel count (replaces --microbatches)")
+    cmp.add_argument("--data-parallel", type=int, nargs="+", default=[1], metavar="DP",
+                     help="pipeline replicas to compare at --global-batch (default 1)")
+    cmp.add_argument("--shard-optimizer", action="store_true",
+                     help="memory with the optimizer state and EF sharded over the replicas (ZeRO-1)")
     ap.add_argument("--json", dest="json_path", help="write the table and the inputs as JSON")
     return ap
 
@@ -118,11 +125,14 @@ ASYNC = ("2bw", "2bw-split")
 
 
 def compare_row(p: int, m: int, costs: dict, comm_s: float, update_s: float, num_batches: int,
-                weight_fraction: float, budget_bytes: float | None, worth: float) -> dict:
-    """One row of the map: each schedule's steady per-batch time and peak memory, the best synchronous schedule
-    (that fits ``budget_bytes``), 2BW's speed-up over it and a recommendation."""
+                weight_fraction: float, budget_bytes: float | None, worth: float, data_parallel: int = 1,
+                shard_optimizer: bool = False) -> dict:
+    """One row of the map: each schedule's steady per-batch time and peak memory per rank (``data_parallel``
+    replicas, the optimizer state sharded over them with ``shard_optimizer``), the best synchronous schedule (that
+    fits ``budget_bytes``), 2BW's speed-up over it and a recommendation."""
     weight = [b * weight_fraction for b in costs["backward_s"]]
-    row = {"p": p, "m": m, "schedules": {}}
+    row = {"p": p, "m": m, "dp": data_parallel, "schedules": {}}
+    sharded = shard_optimizer and data_parallel > 1
     for name in (*COMPARED, *ASYNC):
         s_ = spec(name)
         try:
@@ -133,7 +143,8 @@ def compare_row(p: int, m: int, costs: dict, comm_s: float, update_s: float, num
         r = simulate(s_, p, m, num_batches, costs["forward_s"], costs["backward_s"], comm_s, update_s, weight=weight)
         entry = {"per_batch_s": r.per_batch_time, "bubble": r.bubble, "peak_inflight": max(r.peak_inflight)}
         if costs.get("param_bytes") is not None:
-            mem = schedule_memory(s_, p, m, costs["param_bytes"], costs["optimizer_bytes"], costs["activation_bytes"])
+            mem = schedule_memory(s_, p, m, costs["param_bytes"], costs["optimizer_bytes"], costs["activation_bytes"],
+                                  data_parallel_size=data_parallel, shard_optimizer=sharded)
             entry["peak_bytes"] = max(x["total"] for x in mem)
             entry["fits"] = budget_bytes is None or entry["peak_bytes"] <= budget_bytes
         row["schedules"][name] = entry
@@ -142,13 +153,18 @@ def compare_row(p: int, m: int, costs: dict, comm_s: float, update_s: float, num
     delayed = {n: e for n, e in timed.items() if n in ASYNC}
     fastest = min(delayed, key=lambda n: delayed[n]["per_batch_s"]) if delayed else None
     two = delayed.get(fastest)
+    if not timed:
+        row["recommendation"] = f"no schedule runs m={m} micro-batches on {p} stages (fewer replicas, or a larger batch)"
+        return row
     if not sync:
         row["recommendation"] = "no synchronous schedule fits the memory budget" + (
             f"; {fastest} fits" if two and two.get("fits", True) else "; nothing fits")
         return row
     best = min(sync, key=lambda n: sync[n]["per_batch_s"])
     row["best_sync"] = best
-    if two is not None:
+    if two is None:
+        row["recommendation"] = f"{best}: 2BW cannot run m={m} micro-batches on {p} stages"
+    else:
         gain = sync[best]["per_batch_s"] / two["per_batch_s"]
         row["2bw_over_best_sync"], row["best_async"] = gain, fastest
         more = two.get("peak_bytes", 0) - sync[best].get("peak_bytes", 0)
@@ -166,13 +182,14 @@ def compare_row(p: int, m: int, costs: dict, comm_s: float, update_s: float, num
 def format_compare_table(rows: list[dict]) -> str:
     names = (*COMPARED, *ASYNC)
     has_mem = any("peak_bytes" in e for r in rows for e in r["schedules"].values())
-    head = ["p", "m", *(f"{n} batch" for n in names)]
+    replicas = any(r.get("dp", 1) > 1 for r in rows)
+    head = ["p", *(["dp"] if replicas else []), "m", *(f"{n} batch" for n in names)]
     if has_mem:
         head += [f"{n} mem" for n in names]
     head += ["best sync", "2BW x best sync", "recommendation"]
     lines = []
     for r in rows:
-        cells = [str(r["p"]), str(r["m"])]
+        cells = [str(r["p"]), *([str(r["dp"])] if replicas else []), str(r["m"])]
         cells += [_fmt_time(r["schedules"][n]["per_batch_s"]) if "per_batch_s" in r["schedules"][n] else "-" for n in names]
         if has_mem:
             cells += [(_fmt_bytes(r["schedules"][n]["peak_bytes"]) + ("" if r["schedules"][n].get("fits", True) else " (over)"))
@@ -257,12 +274,32 @@ def plan(
     return rows, skipped
 
 
-def compare(stages, multipliers, costs_for_p, comm_s, update_s, num_batches, weight_fraction, memory_gib, worth):
-    """The map's rows (:func:`compare_row` for every ``p`` and ``m = k p``) and the stage counts skipped."""
+def microbatches_per_pipeline(global_batch: int, data_parallel: int, micro_batch_size: int) -> int | None:
+    """``m = G / (dp x micro-batch)``, or None where the global batch does not split evenly."""
+    share, rest = divmod(global_batch, data_parallel * micro_batch_size)
+    return share if share >= 1 and rest == 0 else None
+
+
+def compare(stages, multipliers, costs_for_p, comm_s, update_s, num_batches, weight_fraction, memory_gib, worth,
+            global_batch=None, data_parallel=(1,), micro_batch_size=1, shard_optimizer=False):
+    """The map's rows (:func:`compare_row` for every ``p`` and ``m = k p``, or with ``global_batch`` for every
+    replica count ``dp``: ``m = G / (dp x micro_batch_size)``) and the stage counts (and replica counts) skipped."""
     rows, skipped = [], []
     budget = None if memory_gib is None else memory_gib * 2**30
     for p, costs in _costs_by_stage_count(stages, costs_for_p, skipped):
-        rows += [compare_row(p, k * p, costs, comm_s, update_s, num_batches, weight_fraction, budget, worth) for k in multipliers]
+        if global_batch is None:
+            shapes = [(k * p, 1) for k in multipliers]
+        else:
+            shapes = []
+            for dp in data_parallel:
+                m = microbatches_per_pipeline(global_batch, dp, micro_batch_size)
+                if m is None:
+                    skipped.append({"p": p, "reason": f"dp={dp}: the global batch {global_batch} does not split into "
+                                                      f"{dp} replicas x micro-batches of {micro_batch_size}"})
+                else:
+                    shapes.append((m, dp))
+        rows += [compare_row(p, m, costs, comm_s, update_s, num_batches, weight_fraction, budget, worth,
+                             data_parallel=dp, shard_optimizer=shard_optimizer) for m, dp in shapes]
     return rows, skipped
 
 
@@ -336,6 +373,14 @@ def argument_error(args: argparse.Namespace) -> str | None:
                             ("--batches", args.batches), ("--seq-len", args.seq_len),
                             ("--micro-batch-size", args.micro_batch_size), ("--head-tokens", args.head_tokens))
     ]
+    if (args.global_batch is not None or args.data_parallel != [1] or args.shard_optimizer) and not args.compare:
+        return "--global-batch, --data-parallel and --shard-optimizer belong to the map: add --compare"
+    if args.data_parallel != [1] and args.global_batch is None:
+        return "--data-parallel needs --global-batch (m per pipeline = G / (replicas x --micro-batch-size))"
+    if args.shard_optimizer and max(args.data_parallel) < 2:
+        return "--shard-optimizer splits the state over replicas: give --data-parallel counts > 1"
+    if min(args.data_parallel) < 1 or (args.global_batch is not None and args.global_batch < 1):
+        return "--global-batch and --data-parallel must be >= 1"
     if not 0 <= args.weight_fraction < 1:
         return f"--weight-fraction must be in [0, 1), got {args.weight_fraction:g}"
     for name, value, rule, ok in checks:
@@ -423,7 +468,8 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
 
     if args.compare:
         rows, skipped = compare(stages, args.microbatches, costs_for_p, comm_s, update_s, args.batches,
-                                args.weight_fraction, args.memory_gib, args.worth)
+                                args.weight_fraction, args.memory_gib, args.worth, args.global_batch,
+                                sorted(set(args.data_parallel)), args.micro_batch_size, args.shard_optimizer)
         print(format_compare_table(rows))
     else:
         rows, skipped = plan(stages, args.microbatches, costs_for_p, comm_s, update_s, args.batches)
