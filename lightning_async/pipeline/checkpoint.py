@@ -101,7 +101,7 @@ def _move_into_place(path: str) -> None:
 
 
 # what a pipeline checkpoint directory holds (and all that :func:`recover` ever removes)
-_CHECKPOINT_FILE = re.compile(r"stage-\d+(\.replica-\d+)?\.ckpt|meta\.json(\.tmp)?")
+_CHECKPOINT_FILE = re.compile(r"stage-\d+(\.replica-\d+)?\.ckpt|meta\.json(\.tmp)?|\.metadata|__\d+_\d+\.distcp")
 
 
 def _holds_only_checkpoint_files(path: str) -> bool:
@@ -309,7 +309,11 @@ def stage_files(path: str | os.PathLike) -> list[str]:
 
 
 def consolidate(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The full model's ``state_dict`` (newest weights) from a pipeline checkpoint directory."""
+    """The full model's ``state_dict`` (newest weights) from a pipeline checkpoint directory (either format)."""
+    from lightning_async.pipeline import distributed_checkpoint
+
+    if read_meta(resolve(path)).get("format") == "dcp":
+        return distributed_checkpoint.consolidated_weights(resolve(path))
     files = stage_files(path)
     path = os.path.dirname(files[0])
     checkpoints = [load_stage(path, s) for s in range(len(files))]

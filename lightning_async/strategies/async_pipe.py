@@ -98,6 +98,9 @@ class AsyncPipelineStrategy(DDPStrategy):
             a stage keeps and steps the optimizer state (and the correction's buffers) of its share of the
             stage's parameters, whole parameters balanced by size, and sends the new weights to the others; the
             update rule is unchanged (``docs/pipeline.md``, "Many replicas"). Needs ``data_parallel_size > 1``.
+        checkpoint_format: ``"stages"`` (default: a file per stage, the same layout to resume) or ``"dcp"``
+            (``torch.distributed.checkpoint``, keyed by global names, written by every rank in parallel: resumes on
+            another stage count, split, replica count, sharded or not). Both are atomic directories; either loads.
         start_method: ``"popen"`` (re-run the script: CLI, torchrun, SLURM) or ``"spawn"`` (notebooks, tests).
         timeout: seconds any wait on another rank may last (every send, receive and collective of the pipeline's
             groups) before it raises ``PeerFailure`` naming the silent stage.
@@ -120,6 +123,7 @@ class AsyncPipelineStrategy(DDPStrategy):
         error_feedback: float | None = None,
         activation_checkpointing: bool = False,
         shard_optimizer: bool = False,
+        checkpoint_format: str = "stages",
         process_group_backend: str | None = None,
         timeout: timedelta | int | None = 300,
         start_method: str = "popen",
@@ -142,6 +146,10 @@ class AsyncPipelineStrategy(DDPStrategy):
         self.partition = partition
         self.activation_checkpointing = bool(activation_checkpointing)
         self.shard_optimizer = bool(shard_optimizer)
+        if checkpoint_format not in ("stages", "dcp"):
+            raise ValueError(f"checkpoint_format must be 'stages' (a file per stage) or 'dcp' "
+                             f"(torch.distributed.checkpoint, moves between layouts), got {checkpoint_format!r}.")
+        self.checkpoint_format = checkpoint_format
         self.runtime: PipelineRuntime | None = None
         self.stage_units: list[list[str]] = []
         self.checkpoints = PipelineCheckpoints(self)

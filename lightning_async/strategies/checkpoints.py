@@ -18,6 +18,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_async.pipeline import checkpoint as layout
+from lightning_async.pipeline import distributed_checkpoint as distributed
 from lightning_async.pipeline.p2p import PeerFailure
 
 
@@ -40,23 +41,58 @@ class PipelineCheckpoints:
             if s.global_rank == 0:
                 layout.begin_save(filepath)
             self._barrier("prepared", filepath)
-            staging, replica = layout.staging_dir(filepath), s.data_parallel_rank
-            if s.runtime is not None and (replica == 0 or self._shares > 1):
-                checkpoint["pipeline_runtime"] = s.runtime.state_dict()
-            if replica == 0:
-                checkpoint["pipeline"] = {"stage": s.stage, **self._split()}
-                s.checkpoint_io.save_checkpoint(checkpoint, layout.stage_file(staging, s.stage))
-            elif self._shares > 1:  # the sharded optimizer: this replica's share of the state
-                share = layout.replica_share(checkpoint, s.stage, replica)
-                s.checkpoint_io.save_checkpoint(share, layout.replica_file(staging, s.stage, replica))
+            staging = layout.staging_dir(filepath)
+            if s.checkpoint_format == "dcp":
+                self._save_distributed(checkpoint, staging)
+            else:
+                self._save_stage_files(checkpoint, staging)
             self._barrier("written", filepath)
             if s.global_rank == 0:
                 meta = {**self._split(), "global_step": checkpoint.get("global_step"), "optimizer_shares": self._shares}
+                if s.checkpoint_format == "dcp":
+                    meta.update(format="dcp", optimizer_shares=None, data_parallel_size=s.data_parallel_size)
                 layout.publish(filepath, meta)
             self._barrier("published", filepath)
         except BaseException:
             layout.discard_save(filepath)
             raise
+
+    def _save_stage_files(self, checkpoint: dict, staging: str) -> None:
+        """Replica 0 of each stage writes the stage file; under the sharded optimizer every other replica writes its
+        share of the optimizer state beside it."""
+        s, replica = self.strategy, self.strategy.data_parallel_rank
+        if s.runtime is not None and (replica == 0 or self._shares > 1):
+            checkpoint["pipeline_runtime"] = s.runtime.state_dict()
+        if replica == 0:
+            checkpoint["pipeline"] = {"stage": s.stage, **self._split()}
+            s.checkpoint_io.save_checkpoint(checkpoint, layout.stage_file(staging, s.stage))
+        elif self._shares > 1:
+            share = layout.replica_share(checkpoint, s.stage, replica)
+            s.checkpoint_io.save_checkpoint(share, layout.replica_file(staging, s.stage, replica))
+
+    def _save_distributed(self, checkpoint: dict, staging: str) -> None:
+        """Every rank writes what it holds, keyed by global names (:mod:`~lightning_async.pipeline.distributed_checkpoint`)."""
+        s = self.strategy
+        if s.runtime is not None:
+            checkpoint["pipeline_runtime"] = s.runtime.state_dict()
+        params = s.runtime.params if s.runtime is not None else []
+        optimizer = s.optimizers[0] if s.optimizers else None
+        names = distributed.parameter_names(s.lightning_module)
+        distributed.save(distributed.rank_state(checkpoint, optimizer, params, names, with_trainer=s.global_rank == 0), staging)
+
+    def _distributed_request(self, path: str) -> distributed.RankRequest:
+        """What this rank reads of a DCP checkpoint, in this run's layout (on its own: no collective)."""
+        s = self.strategy
+        runtime, fitting = s.runtime, s.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        try:
+            return distributed.RankRequest(
+            distributed.saved_keys(path), s.lightning_module.state_dict(), s.optimizers[0] if fitting and s.optimizers else None,
+            runtime.params if runtime is not None else [], len(runtime.slots) if runtime is not None else 1,
+            distributed.parameter_names(s.lightning_module),
+            owned=runtime.shards.owned if runtime is not None and runtime.shards is not None else None,
+            )
+        except ValueError as err:
+            raise ValueError(f"Checkpoint {path}: {err}") from err
 
     @property
     def _shares(self) -> int:
@@ -115,19 +151,23 @@ class PipelineCheckpoints:
         refuse alike, before training, a checkpoint that is incomplete, damaged, mixed or split differently)."""
         s = self.strategy
         path = layout.resolve(str(checkpoint_path))
-        checkpoint, identity, problem, meta = None, None, None, None
+        checkpoint, identity, problem, meta, request = None, None, None, None, None
         try:
             meta = layout.read_meta(path)
-            if meta["stages"] != s.pipeline_parallel_size:
+            if meta.get("format") == "dcp":
+                request = self._distributed_request(path)
+            elif meta["stages"] != s.pipeline_parallel_size:
                 raise ValueError(
-                    f"Checkpoint {path} has {meta['stages']} stages, this run has {s.pipeline_parallel_size}. "
-                    "Resume with the same pipeline_parallel_size, or consolidate it with lightning_async.pipeline.checkpoint."
+                    f"Checkpoint {path} has {meta['stages']} stages, this run has {s.pipeline_parallel_size}. Resume "
+                    "with the same pipeline_parallel_size, or convert it: resume once on its own layout with "
+                    "checkpoint_format='dcp' and save (that format moves between stage and replica counts)."
                 )
-            read = lambda file: s.checkpoint_io.load_checkpoint(file, weights_only=False)  # noqa: E731
-            checkpoint = layout.load_stage(path, s.stage, read)
-            shares = [layout.load_stage(path, s.stage, read, replica=r) for r in range(1, meta.get("optimizer_shares", 1))]
-            checkpoint = layout.merge_replica_shares(path, checkpoint, shares)
-            identity = layout.stage_identity(checkpoint)
+            else:
+                read = lambda file: s.checkpoint_io.load_checkpoint(file, weights_only=False)  # noqa: E731
+                checkpoint = layout.load_stage(path, s.stage, read)
+                shares = [layout.load_stage(path, s.stage, read, replica=r) for r in range(1, meta.get("optimizer_shares", 1))]
+                checkpoint = layout.merge_replica_shares(path, checkpoint, shares)
+                identity = layout.stage_identity(checkpoint)
         except ValueError as err:
             meta, problem = None, str(err)
         reports = [(s.stage, problem, identity)]
@@ -137,11 +177,27 @@ class PipelineCheckpoints:
         problems = list(dict.fromkeys(p for _, p, _ in reports if p))
         if problems:
             raise ValueError(" ".join(problems))
+        if request is not None:
+            return self._finish_distributed_load(path, request)
         by_stage = {stage: ident for stage, _, ident in reports}
         problem = layout.mismatch(path, [by_stage[i] for i in range(s.pipeline_parallel_size)], meta)
         if problem:
             raise ValueError(problem)
         self._check_resumable(path, identity)
+        return checkpoint
+
+    def _finish_distributed_load(self, path: str, request) -> dict:
+        s = self.strategy
+        try:
+            request.load(path)
+        except Exception as err:
+            raise ValueError(
+                f"Cannot read pipeline checkpoint {path} ({type(err).__name__}: {str(err).splitlines()[0]}). A file of "
+                "it is damaged (a truncated copy or an interrupted write): resume from another checkpoint."
+            ) from err
+        checkpoint = request.checkpoint()
+        schedule = (checkpoint.get("pipeline_runtime") or {}).get("schedule")
+        self._check_resumable(path, {"units": None, "schedule": schedule})
         return checkpoint
 
     def _check_resumable(self, path: str, identity: dict) -> None:
