@@ -19,13 +19,15 @@ Why each one is needed:
   simulation's optimizer wrapper gets the same step tracking torch gives the optimizer it was built on;
 * the loop counters: the step the loggers record a batch under (``DivergenceGuard``'s marker) and the batches of
   the epoch already started (the resumable sampler's position);
-* jsonargparse's instantiator registry: the CLI wraps every instantiator to report constructor errors as one line.
+* jsonargparse's instantiator registry: the CLI wraps every instantiator to report constructor errors as one line;
+* Lightning's reading of ``configure_optimizers``' result: the pipeline counts the optimizers before any rank starts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from lightning.pytorch.core.optimizer import _configure_optimizers
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.connectors.signal_connector import _get_sigkill_signal
@@ -98,6 +100,11 @@ def wrap_instantiators(parser, wrap: Callable) -> None:
     registry = getattr(parser, "_instantiators", None) or {}
     for key, instantiator in list(registry.items()):
         registry[key] = wrap(instantiator)
+
+
+def configured_optimizers(optim_conf) -> list:
+    """The optimizers of a ``configure_optimizers`` result, in any of the forms Lightning accepts."""
+    return list(_configure_optimizers(optim_conf)[0])
 
 
 class ValidatingLauncher:

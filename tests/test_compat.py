@@ -144,3 +144,14 @@ def test_the_cli_instantiator_registry_is_wrapped() -> None:
     wrapped = []
     compat.wrap_instantiators(parser, lambda inner: wrapped.append(inner) or inner)
     assert len(wrapped) == len(parser._instantiators)
+
+
+def test_every_form_of_configure_optimizers_is_counted() -> None:
+    weight = torch.nn.Parameter(torch.zeros(2))
+    first, second = torch.optim.SGD([weight], lr=0.1), torch.optim.SGD([weight], lr=0.2)
+    scheduler = torch.optim.lr_scheduler.StepLR(first, 1)
+    forms = {1: [first, [first], ([first], [scheduler]), {"optimizer": first, "lr_scheduler": scheduler}],
+             2: [[first, second], ([first, second], []), [{"optimizer": first}, {"optimizer": second}]]}
+    for expected, results in forms.items():
+        for result in results:
+            assert len(compat.configured_optimizers(result)) == expected
