@@ -300,5 +300,5 @@ def test_run_telemetry_logs_the_learning_rate_learning_rate_monitor_logs(tmp_pat
     trainer.fit(CausalLM(vocab_size=257, model_overrides={k: v for k, v in SHAPE.items() if k != "vocab_size"}), data)
     ours, monitor = _logged_steps(str(tmp_path), "lr/adamw"), _logged_steps(str(tmp_path), "lr-AdamW/adamw")
     assert sorted(ours) == sorted(monitor) == list(range(10))
-    assert all(ours[step] == pytest.approx(monitor[step], rel=1e-6)  # (self.log keeps float32) for step in ours)
+    assert all(ours[step] == pytest.approx(monitor[step], rel=1e-6) for step in ours)  # (self.log keeps float32)
     assert monitor[9] != pytest.approx(monitor[8])  # the schedule moves every step (so a shifted log would differ)
