@@ -27,10 +27,8 @@ from torchmetrics import Metric
 from torchmetrics.classification import MulticlassAccuracy
 
 from _pipeline_harness import in_world, spawn
-from workload import SHAPE
 from lightning_async.callbacks import DelaySimulation, RunTelemetry
 from lightning_async.data.sampler import ResumableDataLoader, ResumableShuffleSampler, trainer_position
-from lightning_async.lm import CausalLM
 from lightning_async.strategies import AsyncPipelineStrategy
 
 CLASSES, STEPS, BATCH, TOL = 4, 8, 8, 1e-6
@@ -297,9 +295,9 @@ def test_run_telemetry_logs_the_learning_rate_learning_rate_monitor_logs(tmp_pat
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=10, logger=CSVLogger(str(tmp_path)), log_every_n_steps=1,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0, callbacks=[RunTelemetry(), LearningRateMonitor()])
-    data = DataLoader(torch.randint(0, 257, (80, 17)), batch_size=8)
-    trainer.fit(CausalLM(vocab_size=257, model_overrides={k: v for k, v in SHAPE.items() if k != "vocab_size"}), data)
-    ours, monitor = _logged_steps(str(tmp_path), "lr/adamw"), _logged_steps(str(tmp_path), "lr-AdamW/adamw")
+    data = DataLoader(TensorDataset(*_tensors(80, 5)), batch_size=8)
+    trainer.fit(Classifier(), data)  # AdamW, a per-step StepLR
+    ours, monitor = _logged_steps(str(tmp_path), "lr/group0"), _logged_steps(str(tmp_path), "lr-AdamW")
     assert sorted(ours) == sorted(monitor) == list(range(10))
     assert all(ours[step] == pytest.approx(monitor[step], rel=1e-6) for step in ours)  # (self.log keeps float32)
     assert monitor[9] != pytest.approx(monitor[8])  # the schedule moves every step (so a shifted log would differ)
