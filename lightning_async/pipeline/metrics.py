@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torchmetrics import Metric
 
 from lightning_async.pipeline.boundary import rows
+from lightning_async.pipeline.p2p import PeerFailure
 from lightning_async.pipeline.runtime import wait_collectives
 
 TRAIN = "train"
@@ -114,7 +115,14 @@ class LossExtras:
             found = [local]
             if self.groups is not None and self.groups.metrics is not None:
                 found = [None] * self.groups.world_size
-                dist.all_gather_object(found, local, group=self.groups.metrics)
+                try:
+                    dist.all_gather_object(found, local, group=self.groups.metrics)
+                except RuntimeError as err:  # a dead or silent peer: named like every other wait of the pipeline
+                    raise PeerFailure(
+                        f"One of global ranks {self.groups.members('metrics')} stopped answering while this rank waited "
+                        f"for the names of the {split} values pipeline_loss returns: {err}. Look at the other ranks' logs "
+                        "for the original error."
+                    ) from err
             self._names[split] = next((names for names in found if names is not None), ((), ()))
         names = self._names[split]
         if self.is_last and tuple(sorted(scalars)) != names[0]:
