@@ -29,7 +29,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from _pipeline_harness import in_world, spawn
 from lightning_async.callbacks import DelaySimulation, RunTelemetry
 from lightning_async.data.sampler import ResumableDataLoader, ResumableShuffleSampler, trainer_position
-from lightning_async.strategies import AsyncPipelineStrategy
+from lightning_async.strategies import AsyncPipelineStrategy, refusals
 
 CLASSES, STEPS, BATCH, TOL = 4, 8, 8, 1e-6
 TRAIN_ROWS, VAL_ROWS, TEST_ROWS, PREDICT_ROWS = 32, 20, 12, 9  # last evaluation batches smaller; 9 rows: replicas differ
@@ -242,6 +242,22 @@ class ManualClassifier(Classifier):
 class TwoOptimizers(Classifier):
     def configure_optimizers(self):
         return [torch.optim.AdamW(self.layers[0].parameters()), torch.optim.AdamW(self.layers[4].parameters())]
+
+
+class TwoOptimizersNeedingTheTrainer(TwoOptimizers):
+    def configure_optimizers(self):
+        assert self.trainer.max_steps  # (a module is attached to its trainer only after launch)
+        return super().configure_optimizers()
+
+
+def test_optimizers_that_need_the_trainer_are_counted_once_it_is_attached():
+    """The launcher cannot count them (the strategy then counts at setup, on every rank, before the split)."""
+    module = TwoOptimizersNeedingTheTrainer()
+    assert refusals.count_optimizers(module) is None
+    module.trainer = L.Trainer(accelerator="cpu", devices=2, strategy=AsyncPipelineStrategy(), logger=False, max_steps=1)
+    assert refusals.count_optimizers(module) == 2
+    with pytest.raises(ValueError, match="configure_optimizers returned 2 optimizers"):
+        refusals.refuse_optimizers(module, refusals.count_optimizers(module))
 
 
 class LoggingSteps(Classifier):

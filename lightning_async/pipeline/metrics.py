@@ -7,7 +7,8 @@
   micro-batches, then over the data-parallel replicas. Evaluation: weighted by rows, over micro-batches and
   replicas (so an evaluation epoch's mean is the mean over every row evaluated);
 * a torchmetrics ``Metric`` the module updated in ``pipeline_loss`` (once per micro-batch): computed once per
-  epoch over every replica's last stage (its states gathered over the last stages' data-parallel group), then reset.
+  epoch over every replica's last stage (its states gathered over the last stages' data-parallel group, unless it
+  was built with ``sync_on_compute=False``: then replica 0's), then reset.
 
 Only the last stage runs ``pipeline_loss``, so every rank learns the names once (an object gather over the metrics
 group at the end of the first training call, and at the first batch of each evaluation epoch: points where no
