@@ -62,6 +62,9 @@ def test_the_launchers_keep_their_shape() -> None:
     spawn = AsyncPipelineStrategy(start_method="spawn")
     L.Trainer(accelerator="cpu", devices=2, strategy=spawn, logger=False)
     assert isinstance(spawn.launcher, compat.PipelineSpawnLauncher)
+    wrapping = list(inspect.signature(compat.SpawnLauncher._wrapping_function).parameters)
+    assert wrapping[:6] == ["self", "process_idx", "trainer", "function", "args", "kwargs"]
+    assert isinstance(spawn._launcher, compat.SpawnLauncher)  # what a predict in a spawned rank unsets
 
 
 def test_the_scheduler_marker_silences_torchs_order_warning() -> None:

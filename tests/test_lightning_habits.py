@@ -227,6 +227,18 @@ def test_predict_equals_one_device_on_the_first_stage(habits, one_device, name):
     assert all(rank[name]["predict"] == [None] * len(rank[name]["predict"]) for rank in habits[1:stages])  # (stage 1)
 
 
+@pytest.mark.slow
+def test_spawned_predict_returns_every_prediction_to_the_main_process(habits):
+    """The notebooks' path: Lightning refuses to return predictions under a spawning launcher; the pipeline's does."""
+    L.seed_everything(0)
+    model = Classifier()
+    model.load_state_dict(habits[0]["2bw"]["state"])
+    trainer = _trainer(AsyncPipelineStrategy(n_microbatches=2, start_method="spawn"), 2)
+    predicted = trainer.predict(model, datamodule=Data())
+    assert len(predicted) == 3 and torch.equal(torch.cat([b["label"] for b in predicted]),
+                                               torch.cat([b["label"] for b in habits[0]["2bw"]["predict"]]))
+
+
 @pytest.mark.parametrize("name", RESUMED)
 def test_a_run_resumed_from_its_model_checkpoint_equals_the_uninterrupted_run(habits, name):
     assert _max_diff(habits[0][f"{name}-resumed"]["state"], habits[0][name]["state"]) < 1e-7
