@@ -317,6 +317,26 @@ def test_extra_values_of_the_wrong_kind_are_named():
     assert isinstance(split_loss_result((loss, {"acc": MulticlassAccuracy(3)}))[1]["acc"], Metric)
 
 
+def test_extra_values_on_one_process_are_averaged_as_the_loss_is():
+    """Training: the plain mean over micro-batches; evaluation: weighted by their rows; the same names every time."""
+    from lightning_async.pipeline.metrics import LossExtras
+
+    extras = LossExtras(lambda outputs, targets: (outputs.mean(), {"mean": outputs.mean(), "rows": float(len(outputs))}))
+    for part in (torch.ones(3), torch.zeros(1)):
+        assert extras(part, part) == part.mean()
+    extras.end_training_call(0)
+    assert {k: float(v) for k, v in extras.training_values(0).items()} == {"mean": 0.5, "rows": 2.0}
+    for part in (torch.ones(3), torch.zeros(1)):
+        extras(part, part)
+    values, rows = extras.end_eval_batch("val")
+    assert rows == 4 and float(values["mean"]) == 0.75 and float(values["rows"]) == 2.5
+    extras(torch.ones(2), torch.ones(2))
+    extras.loss_fn = lambda outputs, targets: (outputs.mean(), {"other": outputs.mean()})
+    extras(torch.ones(2), torch.ones(2))
+    with pytest.raises(ValueError, match=r"extra values \['mean', 'rows'\] for one micro-batch and \['other'\] for another"):
+        extras.end_training_call(1)
+
+
 def test_run_telemetry_logs_the_learning_rate_learning_rate_monitor_logs(tmp_path):
     """Before: at step t ``lr/adamw`` showed the rate a per-step scheduler had already set for batch t + 1."""
     L.seed_everything(0)
