@@ -13,22 +13,28 @@ Why each one is needed:
 * the SIGTERM hooks: Lightning 2.6 broadcasts a SIGTERM flag from rank 0 before every training batch and from its
   signal handler; under a pipeline both hang (see ``AsyncPipelineStrategy``), so the signalled rank stops alone;
 * the launchers: the configuration must be checked before other ranks start, and the spawn launcher must hand the
-  whole model's state dict (not rank 0's stage) back to the main process;
+  whole model's state dict (not rank 0's stage) and ``predict``'s results back to the main process;
 * torch's LRScheduler marker: the batch's update is applied later (under 2BW) with the lr recorded now, so the
   scheduler may step first; it warns unless the optimizer looks stepped. A scheduler rebound to the delay
   simulation's optimizer wrapper gets the same step tracking torch gives the optimizer it was built on;
 * the loop counters: the step the loggers record a batch under (``DivergenceGuard``'s marker) and the batches of
   the epoch already started (the resumable sampler's position);
-* jsonargparse's instantiator registry: the CLI wraps every instantiator to report constructor errors as one line.
+* jsonargparse's instantiator registry: the CLI wraps every instantiator to report constructor errors as one line;
+* Lightning's reading of ``configure_optimizers``' result: the pipeline counts the optimizers before any rank starts.
 """
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable
 
+import torch
+
+from lightning.pytorch.core.optimizer import _configure_optimizers
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.connectors.signal_connector import _get_sigkill_signal
+from lightning.pytorch.trainer.states import TrainerFn
 
 #: the Lightning minor version these patches are written for
 LIGHTNING_TARGET = "2.6"
@@ -100,6 +106,11 @@ def wrap_instantiators(parser, wrap: Callable) -> None:
         registry[key] = wrap(instantiator)
 
 
+def configured_optimizers(optim_conf) -> list:
+    """The optimizers of a ``configure_optimizers`` result, in any of the forms Lightning accepts."""
+    return list(_configure_optimizers(optim_conf)[0])
+
+
 class ValidatingLauncher:
     """Checks the configuration in the launching process before the other ranks start: a refused configuration must
     not leave ranks running on (each would re-run the whole script, data and model included, first)."""
@@ -116,16 +127,57 @@ class PipelineScriptLauncher(ValidatingLauncher, ScriptLauncher):
 
 class PipelineSpawnLauncher(ValidatingLauncher, SpawnLauncher):
     """Lightning's spawn launcher hands rank 0's ``state_dict`` back to the main process; under a pipeline rank 0
-    holds only stage 0, so every stage's weights are gathered first."""
+    holds only stage 0, so every stage's weights are gathered first. ``predict`` returns rank 0's predictions to the
+    main process too: Lightning refuses ``return_predictions`` under every spawning launcher (under DDP rank 0 holds
+    only its shard), so a spawned rank runs ``predict`` as if no launcher had started it."""
+
+    def _wrapping_function(self, process_idx, trainer, function, args, kwargs, *rest):
+        if trainer is not None and trainer.state.fn == TrainerFn.PREDICTING:
+            function = _as_unlaunched(function, trainer.strategy)
+        return super()._wrapping_function(process_idx, trainer, function, args, kwargs, *rest)
 
     def _collect_rank_zero_results(self, trainer, results):
         module = trainer.lightning_module
         full = self._strategy.gather_full_state_dict()
         module.state_dict = lambda *args, **kwargs: full
         try:
-            return super()._collect_rank_zero_results(trainer, results)
+            output = super()._collect_rank_zero_results(trainer, results)
         finally:
             del module.state_dict
+        if output is not None and trainer.state.fn == TrainerFn.PREDICTING:
+            output = output._replace(trainer_results=_AsBytes(output.trainer_results))
+        return output
+
+
+def _loaded(data: bytes):
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+class _AsBytes:
+    """Pickled as ``torch.save``'s bytes and unpickled as the value itself: no shared-memory tensor goes through the
+    spawn launcher's queue (the rank that put it there may have exited before the main process reads it)."""
+
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def __reduce__(self):
+        buffer = io.BytesIO()
+        torch.save(self.value, buffer)
+        return _loaded, (buffer.getvalue(),)
+
+
+def _as_unlaunched(function: Callable, strategy) -> Callable:
+    """``function`` run with the strategy's launcher unset: the predict loop's ``return_predictions`` setter (which
+    checks for a spawning launcher) then honours ``None`` as ``True``, and an explicit ``False`` still."""
+
+    def run(*args, **kwargs):
+        launcher, strategy._launcher = strategy._launcher, None
+        try:
+            return function(*args, **kwargs)
+        finally:
+            strategy._launcher = launcher
+
+    return run
 
 
 def pipeline_launcher(launcher, strategy):

@@ -186,6 +186,26 @@ def spawn(world: int, fn, *args, timeout: float = 240.0, reporting: int | None =
     return run_local(world, fn, *args, timeout=timeout, reporting=reporting)
 
 
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+
+
+def in_world(size: int, fn, *args):
+    """Inside a ``spawn`` worker (after ``SPAWN_RANK`` is set): run ``fn`` as torchrun would on ranks ``0..size-1``
+    (a fresh default group; every worker calls this in the same order, so scenarios of several sizes share one
+    spawn); None elsewhere."""
+    rank = int(os.environ["SPAWN_RANK"])
+    if not join_default_group(300, world=size):
+        return None
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size))
+    try:
+        return fn(*args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for key in TORCHRUN_VARIABLES:
+            os.environ.pop(key, None)
+
+
 def as_torchrun(timeout: float = 300.0, **env: str) -> int:
     """Inside a ``spawn`` worker: a fresh default group (``timeout``: the strategy's, as Lightning would give it)
     and the environment torchrun gives a rank (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``; ``env`` adds or

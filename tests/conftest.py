@@ -31,7 +31,7 @@ def one_thread():
 # Fixtures that start pipeline processes (one spawn shared by the module's tests) or build a wheel: every test that
 # uses one belongs to the slow tier (`python -m pytest -m "not slow"` is the edit loop; README.md, Tests).
 SLOW_FIXTURES = {"pipeline_results", "oracle_results", "pipeline_fits", "pipeline_divergence", "reported", "installed",
-                 "nodes", "uninterrupted", "refusals"}
+                 "nodes", "uninterrupted", "refusals", "habits"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -62,6 +62,9 @@ def test_the_launchers_keep_their_shape() -> None:
     spawn = AsyncPipelineStrategy(start_method="spawn")
     L.Trainer(accelerator="cpu", devices=2, strategy=spawn, logger=False)
     assert isinstance(spawn.launcher, compat.PipelineSpawnLauncher)
+    wrapping = list(inspect.signature(compat.SpawnLauncher._wrapping_function).parameters)
+    assert wrapping[:6] == ["self", "process_idx", "trainer", "function", "args", "kwargs"]
+    assert isinstance(spawn._launcher, compat.SpawnLauncher)  # what a predict in a spawned rank unsets
 
 
 def test_the_scheduler_marker_silences_torchs_order_warning() -> None:
@@ -144,3 +147,14 @@ def test_the_cli_instantiator_registry_is_wrapped() -> None:
     wrapped = []
     compat.wrap_instantiators(parser, lambda inner: wrapped.append(inner) or inner)
     assert len(wrapped) == len(parser._instantiators)
+
+
+def test_every_form_of_configure_optimizers_is_counted() -> None:
+    weight = torch.nn.Parameter(torch.zeros(2))
+    first, second = torch.optim.SGD([weight], lr=0.1), torch.optim.SGD([weight], lr=0.2)
+    scheduler = torch.optim.lr_scheduler.StepLR(first, 1)
+    forms = {1: [first, [first], ([first], [scheduler]), {"optimizer": first, "lr_scheduler": scheduler}],
+             2: [[first, second], ([first, second], []), [{"optimizer": first}, {"optimizer": second}]]}
+    for expected, results in forms.items():
+        for result in results:
+            assert len(compat.configured_optimizers(result)) == expected

@@ -27,11 +27,11 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
 from _pipeline_harness import SHAPE as HARNESS_SHAPE
+from _pipeline_harness import in_world as _in_world
 from _pipeline_harness import spawn
 from lightning_async.callbacks import DelaySimulation
 from lightning_async.data.sampler import ResumableShuffleSampler
 from lightning_async.lm import CausalLM
-from lightning_async.pipeline.local import join_default_group
 from lightning_async.strategies import AsyncPipelineStrategy
 
 pytestmark = pytest.mark.slow
@@ -126,24 +126,6 @@ def _pipeline_validate(model: CausalLM) -> dict:
     val = trainer.validate(model, datamodule=Data(), verbose=False)[0]["val/loss"]
     test = trainer.test(model, datamodule=Data(), verbose=False)[0]["test/loss"]
     return {"val": val, "test": test}
-
-
-TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
-
-
-def _in_world(size: int, fn, *args):
-    """Run ``fn`` as torchrun would on ranks ``0..size-1`` of the spawn (a fresh default group); None elsewhere."""
-    rank = int(os.environ["SPAWN_RANK"])
-    if not join_default_group(300, world=size):
-        return None
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size))
-    try:
-        return fn(*args)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        for key in TORCHRUN_VARIABLES:
-            os.environ.pop(key, None)
 
 
 def _all_scenarios(tmp: str) -> dict:

@@ -65,6 +65,7 @@ class RunTelemetry(Callback):
     def __init__(self, log_every_n_steps: int | None = None) -> None:
         self.log_every_n_steps = log_every_n_steps
         self._last_time: float | None = None
+        self._rates: dict = {}
         self.identity: dict = {}
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -91,6 +92,20 @@ class RunTelemetry(Callback):
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
             pl_module.log("train/grad_norm", norm)
 
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
+        """Read the learning rates this batch trains with: by its end a per-step scheduler has already set the next
+        batch's (``lr/<group>`` at step ``t`` is batch ``t``'s, as ``LearningRateMonitor`` logs it)."""
+        self._rates = self._learning_rates(trainer) if trainer.optimizers else {}
+
+    @staticmethod
+    def _learning_rates(trainer: Trainer) -> dict:
+        try:
+            from lightning_async.optim.zoo import effective_learning_rates
+
+            return effective_learning_rates(trainer.optimizers[0])
+        except Exception:  # a user's optimizer the zoo does not know
+            return {_group_name(g, i): g["lr"] for i, g in enumerate(trainer.optimizers[0].param_groups)}
+
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
         now = time.perf_counter()
         if self._last_time is not None and isinstance(batch, torch.Tensor) and self._every(trainer):
@@ -99,13 +114,7 @@ class RunTelemetry(Callback):
             pl_module.log("train/tokens_per_sec", tokens / max(now - self._last_time, 1e-9))
         self._last_time = now
         if self._every(trainer) and trainer.optimizers:
-            try:
-                from lightning_async.optim.zoo import effective_learning_rates
-
-                rates = effective_learning_rates(trainer.optimizers[0])
-            except Exception:  # a user's optimizer the zoo does not know
-                rates = {_group_name(g, i): g["lr"] for i, g in enumerate(trainer.optimizers[0].param_groups)}
-            for name, lr in rates.items():
+            for name, lr in self._rates.items():
                 pl_module.log(f"lr/{name}", float(lr))
             for correction in live_corrections(trainer):  # e.g. the strength adaptive EF chose
                 for name, value in correction.statistics().items():

@@ -63,6 +63,7 @@ class CausalLMTraining(LightningModule):
         self.val_loss = MeanMetric(sync_on_compute=False)
         self.tokens_seen = 0
 
+    pipeline_ignores_steps = True  # the steps below are the single-device path; log_loss logs the same under a pipeline
     pipeline_split_batch = staticmethod(split_next_token)
     pipeline_loss = staticmethod(next_token_loss)
 

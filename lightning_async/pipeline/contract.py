@@ -1,7 +1,8 @@
 """The pipeline contract: what a module must offer to be split into stages (see docs/models.md).
 
 Duck-typed, so any LightningModule (or ``nn.Module``) qualifies by defining the three methods of
-:class:`PipelineModule`; ``pipeline_context`` and ``log_loss`` are optional (:class:`PipelineContextModule`).
+:class:`PipelineModule`; ``pipeline_context``, ``log_loss`` and ``pipeline_predict`` are optional
+(:class:`PipelineContextModule`).
 """
 
 from __future__ import annotations
@@ -25,17 +26,22 @@ class PipelineModule(Protocol):
         """``(inputs, targets)``, both split along dim 0 into micro-batches."""
 
     def pipeline_loss(self, outputs: Any, targets: Any) -> Any:
-        """Scalar mean loss of one micro-batch (runs on the last stage)."""
+        """Scalar mean loss of one micro-batch (runs on the last stage), or ``(loss, {name: value})`` with extra
+        scalars or torchmetrics Metrics to log (:mod:`lightning_async.pipeline.metrics`)."""
 
 
 class PipelineContextModule(PipelineModule, Protocol):
-    """Optional extras: side inputs every stage computes itself, and how the pipeline's loss is logged."""
+    """Optional extras: side inputs every stage computes itself, how the pipeline's loss is logged, what ``predict``
+    returns."""
 
     def pipeline_context(self, inputs: Any) -> Any:
         """Side inputs (RoPE tables, masks) passed as ``context=`` to the units whose forward takes it."""
 
     def log_loss(self, split: str, loss: Any, batch: Any) -> None:
         """Log the loss the pipeline computed (otherwise ``<split>/loss`` is logged)."""
+
+    def pipeline_predict(self, outputs: Any) -> Any:
+        """``predict``'s result for a batch from the last unit's outputs, on the last stage (e.g. an argmax)."""
 
 
 def check_pipeline_contract(module: object) -> None:

@@ -31,13 +31,17 @@ from lightning_async.optim.corrections import Correction, as_correction, check_a
 from lightning_async.pipeline import schedules
 from lightning_async.pipeline.contract import check_pipeline_contract
 from lightning_async.pipeline.mesh import PipelineMesh
+from lightning_async.pipeline.metrics import LossExtras
 from lightning_async.pipeline.partition import partition_units
+from lightning_async.pipeline.predict import predict_batch
 from lightning_async.pipeline.rank import build_rank
 from lightning_async.pipeline.runtime import PipelineRuntime
 from lightning_async.pipeline.stage import RankStage, prune_to_stage
 from lightning_async import compat
 from lightning_async.strategies.checkpoints import PipelineCheckpoints
 from lightning_async.strategies.memory_log import gather_memory_reports, log_memory_reports
+from lightning_async.strategies.metric_logging import add_metrics_logger, log_values
+from lightning_async.strategies import refusals
 
 
 def _checked_timeout(timeout: timedelta | float | None) -> timedelta | None:
@@ -247,6 +251,8 @@ class AsyncPipelineStrategy(DDPStrategy):
         """What the launching process does before other ranks start: check the mesh and the run's corrections,
         finish checkpoint saves a crash interrupted."""
         self.validate_mesh()
+        refusals.warn_bypassed_steps(self.lightning_module)
+        self._optimizers_counted = refusals.refuse_before_launch(trainer, self.lightning_module)
         check_corrections(trainer)
         self.checkpoints.recover_before_launch(trainer)
 
@@ -289,11 +295,10 @@ class AsyncPipelineStrategy(DDPStrategy):
         assert self.model is not None and self.accelerator is not None
         module = self.lightning_module
         check_pipeline_contract(module)
-        if trainer.accumulate_grad_batches != 1:
-            raise ValueError(
-                "accumulate_grad_batches must be 1 with a pipeline strategy: raise n_microbatches (and the batch size) instead."
-            )
+        if trainer.state.fn == TrainerFn.FITTING and not getattr(self, "_optimizers_counted", False):
+            refusals.refuse_optimizers(module, refusals.count_optimizers(module))  # it needed the trainer: now, unpruned
         self.accelerator.setup(trainer)
+        add_metrics_logger(trainer, self)
         self._stop_on_sigterm(trainer)
         self.checkpoints.recover_at_setup(trainer)
         if self.data_parallel_size == 1:  # every stage reads the batches a single-device run would, in its order
@@ -305,14 +310,16 @@ class AsyncPipelineStrategy(DDPStrategy):
             f"async_pipe: schedule={self.schedule}, stages={self.pipeline_parallel_size}, replicas={self.data_parallel_size}, "
             f"micro-batches={self.n_microbatches}, chunks per stage={self.schedule_spec.chunks}; units: {self.stage_units}"
         )
+        self.loss_extras = LossExtras(module.pipeline_loss)
         built = build_rank(
-            units, self.schedule_spec, self.n_microbatches, module.pipeline_split_batch, module.pipeline_loss,
+            units, self.schedule_spec, self.n_microbatches, module.pipeline_split_batch, self.loss_extras,
             make_optimizer=lambda stage: self._prepare_stage(trainer, module, units, stage, before),
             rank=self.global_rank, world_size=self.world, pipeline_parallel_size=self.pipeline_parallel_size,
             stage_units=self.stage_units, tied=None if before is None else before["tied"], timeout=self._timeout,
             **self._runtime_options(trainer, module),
         )
         self.runtime = built.runtime
+        self.loss_extras.attach(self.runtime)
 
     def _stage_units(self, module, units, before: dict | None) -> list[list[str]]:
         """The units of every piece: the split of an earlier setup of this module, or a new one (rank 0 decides)."""
@@ -362,8 +369,6 @@ class AsyncPipelineStrategy(DDPStrategy):
 
     def _runtime_options(self, trainer, module) -> dict:
         clip = trainer.gradient_clip_val if trainer.state.fn == TrainerFn.FITTING else None
-        if clip and trainer.gradient_clip_algorithm not in (None, "norm"):
-            raise ValueError("The pipeline strategy clips by the global norm only: set gradient_clip_algorithm='norm'.")
         return dict(
             gradient_clip_val=clip, correction=self.make_correction(), autocast=self.precision_plugin.forward_context,
             device=self.root_device, context_fn=getattr(module, "pipeline_context", None),
@@ -441,11 +446,14 @@ class AsyncPipelineStrategy(DDPStrategy):
         batch = args[0]
         runtime = self.runtime
         runtime.train_batch(batch)
+        self.loss_extras.end_training_call(runtime.batches_done - 1)
         # 2BW: the last stage finishes batch b's loss while the first stage already runs batch b+1, so the loss
         # reported at step b is batch b-1's (waiting for batch b would re-create the bubble).
         report = runtime.batches_done - 1 - self.schedule_spec.loss_lag
         loss = runtime.collect_loss(report) if report >= 0 else None
         self._log_loss("train", loss, batch)
+        if report >= 0:
+            log_values(self.lightning_module, "train", self.loss_extras.training_values(report))
         if runtime.last_grad_norm is not None:
             self.lightning_module.log("train/grad_norm", runtime.last_grad_norm)
         return loss if loss is not None else torch.zeros((), device=self.root_device)
@@ -465,6 +473,7 @@ class AsyncPipelineStrategy(DDPStrategy):
         self._stop_if_terminated_in_evaluation(args[1] if len(args) > 1 else None)
         loss = self.runtime.eval_batch(args[0])
         self._log_loss("val", loss, args[0])
+        log_values(self.lightning_module, "val", *self.loss_extras.end_eval_batch("val"))
         return loss
 
     @override
@@ -472,6 +481,7 @@ class AsyncPipelineStrategy(DDPStrategy):
         self._stop_if_terminated_in_evaluation(args[1] if len(args) > 1 else None)
         loss = self.runtime.eval_batch(args[0])
         self._log_loss("test", loss, args[0])
+        log_values(self.lightning_module, "test", *self.loss_extras.end_eval_batch("test"))
         return loss
 
     @override
@@ -486,7 +496,8 @@ class AsyncPipelineStrategy(DDPStrategy):
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any):
-        raise NotImplementedError("predict is not supported by the pipeline strategy; load the checkpoint into the plain module.")
+        """The batch's predictions on the first stage of each pipeline (:func:`~lightning_async.pipeline.predict.predict_batch`)."""
+        return predict_batch(self.runtime, args[0], getattr(self.lightning_module, "pipeline_predict", None))
 
     @override
     def on_train_start(self) -> None:
