@@ -26,7 +26,8 @@ import sys
 
 import torch
 
-from lightning_async.pipeline.checkpoint import consolidate, stage_files
+from lightning_async.pipeline import distributed_checkpoint
+from lightning_async.pipeline.checkpoint import consolidate, resolve, stage_files
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PREFIX = "model."  # both LightningModules keep their model under ``self.model``
@@ -48,6 +49,9 @@ DATA_HPARAMS = "datamodule_hyper_parameters"  # where Lightning keeps the data m
 def read_checkpoint(path: str) -> tuple[dict[str, torch.Tensor], dict, dict]:
     """``(state_dict, hyper_parameters, datamodule_hyper_parameters)`` of a pipeline checkpoint directory or a
     Lightning ``.ckpt`` file (the last one empty when the run had no data module with hyperparameters)."""
+    if os.path.isdir(path) and distributed_checkpoint.is_distributed_checkpoint(resolve(path)):
+        saved = distributed_checkpoint.trainer_state(resolve(path))
+        return consolidate(path), dict(saved.get("hyper_parameters") or {}), dict(saved.get(DATA_HPARAMS) or {})
     if os.path.isdir(path):
         files = stage_files(path)
         first = torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)

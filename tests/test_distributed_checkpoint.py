@@ -118,6 +118,15 @@ def test_another_layout_starts_from_the_saved_weights_and_optimizer_state(layout
     assert len(covered) >= len({k.rsplit("/", 1)[0] for k in optimizer}) - 1  # (a tied head may appear once)
 
 
+def test_export_reads_the_distributed_format(layouts):
+    from lightning_async.export import read_checkpoint
+
+    tmp, two, _ = layouts
+    weights, hparams, _ = read_checkpoint(os.path.join(tmp, "p2", "step=8.ckpt"))
+    final = _merged(two, "fit")
+    assert hparams["lr"] == 3e-3 and all(torch.equal(weights[k], final[k]) for k in final)
+
+
 def test_a_sharded_run_saves_each_optimizer_tensor_once_in_parallel(layouts):
     tmp, _, _ = layouts
     files = sorted(os.listdir(os.path.join(tmp, "dp2", "step=8.ckpt")))

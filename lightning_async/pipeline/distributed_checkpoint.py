@@ -261,5 +261,15 @@ def consolidated_weights(directory: str) -> dict[str, torch.Tensor]:
     return {k[len(MODEL):]: v for k, v in flat.items()}
 
 
+def trainer_state(directory: str) -> dict:
+    """What Lightning saved beside the weights (hyperparameters, loops, callbacks, ...), on one process."""
+    flat = {TRAINER: None}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load(flat, storage_reader=dcp.FileSystemReader(directory))
+    return _unblob(flat[TRAINER])
+
+
 def is_distributed_checkpoint(directory: str) -> bool:
+    """Whether ``directory`` holds a checkpoint written by ``torch.distributed.checkpoint``."""
     return os.path.isfile(os.path.join(os.fspath(directory), ".metadata"))
