@@ -245,7 +245,7 @@ def measured(args, dp: int = 1, shard: bool = False) -> list[dict]:
                 theory_weight_versions=theory["weights"], theory_error_feedback=theory["correction"],
                 theory_gradient_bytes=theory["gradients"], theory_activations=theory["activations"],
                 theory_total=theory["total"], accounted_total=accounted, dp=dp, sharded=shard,
-                theory_optimizer=theory["optimizer"],
+                theory_optimizer=theory["optimizer"], seconds_per_batch=r["seconds"] / cfg["steps"],
             ))
     return rows
 
@@ -255,7 +255,7 @@ def replicas_table(rows: list[dict]) -> str:
     does not, each measured / modelled, and the optimizer term as a share of the one-replica run's."""
     single = {(r["config"], r["stage"]): r["optimizer_state"] + r["correction"] for r in rows if r["dp"] == 1}
     head = ("config", "dp", "sharded", "stage", "replica", "versions MiB", "grads peak MiB", "AdamW MiB meas / model",
-            "EF MiB meas / model", "(AdamW + EF) / dp=1", "activations peak MiB", "accounted MiB")
+            "EF MiB meas / model", "(AdamW + EF) / dp=1", "activations peak MiB", "accounted MiB", "s / batch")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         base = single.get((r["config"], r["stage"]))
@@ -265,7 +265,7 @@ def replicas_table(rows: list[dict]) -> str:
             _mib(r["weight_versions"]), _mib(r["peak_gradient_bytes"]),
             f"{_mib(r['optimizer_state'])} / {_mib(r['theory_optimizer'])}",
             f"{_mib(r['correction'])} / {_mib(r['theory_error_feedback'])}", ratio,
-            _mib(r["peak_activation_bytes"]), _mib(r["accounted_total"]),
+            _mib(r["peak_activation_bytes"]), _mib(r["accounted_total"]), f"{r['seconds_per_batch']:.3f}",
         ]) + " |")
     return "\n".join(lines)
 
