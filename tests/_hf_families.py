@@ -1,0 +1,99 @@
+"""Tiny random configs of the Hugging Face decoder families ``HFCausalLM`` claims (transformers 5.x), for the
+family sweep of ``tests/test_hf_families.py``: two decoder layers, hidden 32, vocabulary 257, no dropout (so a
+pipeline run and its single-device reference draw no random numbers), and one spawn running a 2-stage 2BW run of
+every family."""
+
+from __future__ import annotations
+
+VOCAB = 257
+SHAPE = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=0, pad_token_id=None, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64)
+MOE = dict(num_experts=4, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1)
+
+FAMILIES: dict[str, dict] = {
+    "llama": dict(SHAPE, model_type="llama"),
+    "mistral": dict(SHAPE, model_type="mistral"),
+    "qwen2": dict(SHAPE, model_type="qwen2", tie_word_embeddings=True),
+    "qwen3": dict(SHAPE, model_type="qwen3"),
+    "gemma": dict(SHAPE, model_type="gemma", head_dim=8),
+    "gemma2": dict(SHAPE, model_type="gemma2", head_dim=8, sliding_window=4, final_logit_softcapping=0.5),  # a cap the tiny logits reach
+    "gemma3": dict(SHAPE, model_type="gemma3_text", head_dim=8, sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
+    "cohere": dict(SHAPE, model_type="cohere", logit_scale=0.5),
+    "cohere2": dict(SHAPE, model_type="cohere2", logit_scale=0.5, sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
+    "granite": dict(SHAPE, model_type="granite", embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.25, logits_scaling=4.0),
+    "phi": dict(SHAPE, model_type="phi"),
+    "phi3": dict(SHAPE, model_type="phi3"),
+    "olmo": dict(SHAPE, model_type="olmo"),
+    "olmo2": dict(SHAPE, model_type="olmo2"),
+    "olmo3": dict(SHAPE, model_type="olmo3", sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
+    "stablelm": dict(SHAPE, model_type="stablelm"),
+    "smollm3": dict(SHAPE, model_type="smollm3"),
+    "starcoder2": dict(SHAPE, model_type="starcoder2"),
+    "glm4": dict(SHAPE, model_type="glm4"),
+    "glm": dict(SHAPE, model_type="glm"),
+    "gpt_neox": dict(SHAPE, model_type="gpt_neox"),
+    "gptj": dict(model_type="gptj", vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, rotary_dim=4),
+    "gpt2": dict(model_type="gpt2", vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
+                 embd_pdrop=0.0, attn_pdrop=0.0),
+    "opt": dict(model_type="opt", vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=64, word_embed_proj_dim=32, dropout=0.0),
+    "falcon": dict(model_type="falcon", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4),
+    "bloom": dict(model_type="bloom", vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4),
+    "mixtral": dict(SHAPE, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1),
+    "qwen2_moe": dict(SHAPE, **MOE, model_type="qwen2_moe", moe_intermediate_size=32, shared_expert_intermediate_size=32),
+    "qwen3_moe": dict(SHAPE, **MOE, model_type="qwen3_moe", moe_intermediate_size=32),
+    "olmoe": dict(SHAPE, **MOE, model_type="olmoe"),
+}
+FAMILIES.update({
+    "deepseek_v3": dict(SHAPE, model_type="deepseek_v3", n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=None,
+                        qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8),
+    "gpt_oss": dict(SHAPE, model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2, head_dim=8, sliding_window=4,
+                    output_router_logits=True, router_aux_loss_coef=0.1),
+})
+FAMILIES.update({  # variants whose forward takes another path
+    "falcon-alibi": dict(FAMILIES["falcon"], alibi=True),
+    "falcon-new-arch": dict(FAMILIES["falcon"], new_decoder_architecture=True, num_kv_heads=2),
+    "opt-projected": dict(FAMILIES["opt"], word_embed_proj_dim=16),
+    "opt-post-norm": dict(FAMILIES["opt"], do_layer_norm_before=False),
+})
+
+
+SWEEP_STEPS = 3
+SWEEP_MICROBATCHES = 2
+
+
+def make_family(name: str, seed: int = 0, microbatches: int | None = None):
+    """``HFCausalLM`` of family ``name`` (same weights every call); a mixture of experts attaches its router losses
+    per micro-batch of ``microbatches``, as under the pipeline."""
+    import torch
+
+    from lightning_async.models.hf import HFCausalLM
+
+    torch.manual_seed(seed)
+    module = HFCausalLM(dict(FAMILIES[name]))
+    if module.moe is not None and microbatches:
+        module.moe.loss.one_forward_per_microbatch(microbatches)
+    return module
+
+
+def sweep_workload(name: str):
+    from functools import partial
+
+    from _pipeline_harness import Workload, eval_batch, make_batches
+
+    return Workload(partial(make_family, name, microbatches=SWEEP_MICROBATCHES), make_batches, eval_batch)
+
+
+def sweep_runs(names: list[str]) -> list:
+    """Inside a 2-process gloo group: a 2-stage 2BW AdamW run of each family (clipping at 1.0)."""
+    from _pipeline_harness import pipeline_run
+
+    return [pipeline_run(2, "2bw", "adamw", 0.0, SWEEP_STEPS, 1.0, m=SWEEP_MICROBATCHES, workload=sweep_workload(name))
+            for name in names]
+
+
+def sweep_reference(name: str) -> dict:
+    from _pipeline_harness import reference_run
+
+    return reference_run("adamw", 1, 0.0, SWEEP_STEPS, 1.0, microbatches=SWEEP_MICROBATCHES, workload=sweep_workload(name))
