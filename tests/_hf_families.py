@@ -45,7 +45,8 @@ FAMILIES: dict[str, dict] = {
     "olmoe": dict(SHAPE, **MOE, model_type="olmoe"),
 }
 FAMILIES.update({
-    "deepseek_v3": dict(SHAPE, model_type="deepseek_v3", n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+    "deepseek_v3": dict(SHAPE, model_type="deepseek_v3", num_key_value_heads=4,  # MLA: no grouped keys
+                        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                         first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=None,
                         qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8),
     "gpt_oss": dict(SHAPE, model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2, head_dim=8, sliding_window=4,
@@ -63,7 +64,7 @@ SWEEP_STEPS = 3
 SWEEP_MICROBATCHES = 2
 
 
-def make_family(name: str, seed: int = 0, microbatches: int | None = None):
+def make_family(name: str, seed: int = 0, microbatches: int | None = None, **kwargs):
     """``HFCausalLM`` of family ``name`` (same weights every call); a mixture of experts attaches its router losses
     per micro-batch of ``microbatches``, as under the pipeline."""
     import torch
@@ -71,7 +72,7 @@ def make_family(name: str, seed: int = 0, microbatches: int | None = None):
     from lightning_async.models.hf import HFCausalLM
 
     torch.manual_seed(seed)
-    module = HFCausalLM(dict(FAMILIES[name]))
+    module = HFCausalLM(dict(FAMILIES[name]), **kwargs)
     if module.moe is not None and microbatches:
         module.moe.loss.one_forward_per_microbatch(microbatches)
     return module
@@ -93,7 +94,38 @@ def sweep_runs(names: list[str]) -> list:
             for name in names]
 
 
-def sweep_reference(name: str) -> dict:
+def dropout_modes_under_async_pipe() -> list[tuple[int, bool, bool]]:
+    """Inside a 2-process gloo group: a 2-step ``async_pipe`` fit (with validation) of a GPT-2 with dropout, as
+    torchrun starts ranks; ``(block, grad enabled, dropout in train mode)`` for each kind of forward a block's
+    dropout saw on this rank."""
+    import lightning as L
+    import torch
+    from _pipeline_harness import as_torchrun
+    from test_strategy import TinyData
+
+    from lightning_async.models.hf import HFCausalLM
+    from lightning_async.strategies import AsyncPipelineStrategy
+
+    as_torchrun()
+    L.seed_everything(0)
+    module = HFCausalLM(dict(FAMILIES["gpt2"], resid_pdrop=0.3), lr=1e-3)
+    seen = set()
+    for i, block in enumerate(module.model.transformer.h):
+        block.mlp.dropout.register_forward_pre_hook(lambda mod, args, i=i: seen.add((i, torch.is_grad_enabled(), mod.training)))
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=AsyncPipelineStrategy(n_microbatches=2), max_steps=2,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=1, val_check_interval=1, num_sanity_val_steps=0)
+    trainer.fit(module, datamodule=TinyData())
+    return sorted(seen)
+
+
+def sweep_spawn(names: list[str]) -> dict:
+    """One spawn for the sweep: every family's 2BW run, then the dropout modes under ``async_pipe``."""
+    return {"sweep": sweep_runs(names), "modes": dropout_modes_under_async_pipe()}
+
+
+def sweep_reference(name: str, delay: int = 1) -> dict:
+    """The single-device rule the sweep's run of ``name`` must follow (``delay=0``: plain training, a control)."""
     from _pipeline_harness import reference_run
 
-    return reference_run("adamw", 1, 0.0, SWEEP_STEPS, 1.0, microbatches=SWEEP_MICROBATCHES, workload=sweep_workload(name))
+    return reference_run("adamw", delay, 0.0, SWEEP_STEPS, 1.0, microbatches=SWEEP_MICROBATCHES, workload=sweep_workload(name))

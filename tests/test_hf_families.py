@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from _hf_families import FAMILIES, VOCAB, make_family, sweep_reference, sweep_runs  # noqa: E402
+from _hf_families import FAMILIES, VOCAB, make_family, sweep_reference, sweep_spawn  # noqa: E402
 from lightning_async.models.hf import DecoderLayerUnit, HFCausalLM, LogitsHead, PositionsAdded, ScaledEmbedding  # noqa: E402
 from lightning_async.models.hf_context import rotary_tables  # noqa: E402
 from lightning_async.pipeline.partition import partition_units  # noqa: E402
@@ -25,10 +25,11 @@ def ids(rows: int = 2, length: int = 12) -> torch.Tensor:
     return torch.randint(0, VOCAB, (rows, length), generator=torch.Generator().manual_seed(5))
 
 
-def test_every_familys_units_reproduce_its_forward_in_train_and_eval_mode():
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_every_familys_units_reproduce_its_forward_in_train_and_eval_mode(attn):
     x = ids()
     for name in FAMILIES:
-        module = make_family(name)
+        module = make_family(name, attn_implementation=attn)
         assert module.model.training, name  # train mode from construction, as a plain HF loop trains
         with torch.no_grad():
             trained = module(x)  # no dropout in these configs: train mode must give the same logits
@@ -55,6 +56,8 @@ def test_the_adapters_each_family_needs_are_in_its_units():
     assert kinds == ["sliding_attention", "full_attention"]
     tables = gemma3.pipeline_context(ids())["position_embeddings"]
     assert not torch.equal(tables["sliding_attention"][0], tables["full_attention"][0])  # local and global RoPE bases
+    for name in ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"]:  # the sweep trains them with router balancing
+        assert make_family(name).moe.loss.active, name
 
 
 # ---- refusals that name the cause -----------------------------------------------------------------
@@ -141,19 +144,48 @@ def test_a_stage_switches_its_viewed_layers_between_train_and_eval():
     assert all(v.viewed.training and v.training for v in views) and module.model.transformer.drop.training
 
 
+@pytest.mark.parametrize("name", ["gpt2", "gemma2", "bloom"])
+def test_a_checkpoint_of_a_built_in_layout_or_adapted_head_exports(name, tmp_path):
+    from test_hf import logits_of_directory, save_checkpoint_with_data
+
+    from lightning_async.export import export_main
+
+    module = make_family(name)
+    save_checkpoint_with_data(module, {"tokenizer": "byte"}, tmp_path / "run.ckpt")
+    assert export_main([str(tmp_path / "run.ckpt"), str(tmp_path / "out")]) == 0
+    module.eval()
+    with torch.no_grad():
+        assert (logits_of_directory(tmp_path / "out", ids()) - module(ids())).abs().max().item() <= 1e-6
+
+
 # ---- the pipeline sweep -------------------------------------------------------------------------------
-@pytest.mark.slow
-def test_every_family_follows_the_single_device_2bw_rule_on_two_stages():
+@pytest.fixture(scope="module")
+def sweep_results() -> list[dict]:
     from _pipeline_harness import spawn
+
+    return spawn(2, sweep_spawn, list(FAMILIES), timeout=900)
+
+
+@pytest.mark.slow
+def test_every_family_follows_the_single_device_2bw_rule_on_two_stages(sweep_results):
     from test_pipeline_oracle import _merge
 
     names = list(FAMILIES)
-    per_rank = spawn(2, sweep_runs, names, timeout=900)
+    per_rank = [rank["sweep"] for rank in sweep_results]
     for index, name in enumerate(names):
         expected = sweep_reference(name)
         got = _merge(per_rank, index)
         assert set(got) <= set(expected) and len(got) >= len(expected) - 1, name  # a tied head may appear once
         worst = max((got[n] - expected[n]).abs().max().item() for n in got)
         assert worst < SWEEP_TOLERANCE, f"{name}: max |diff| {worst}"
+        if index == 0:  # negative control: the run is not plain training
+            plain = sweep_reference(name, delay=0)
+            assert max((got[n] - plain[n]).abs().max().item() for n in got) > 1e-4
         losses = [rank[index][1] for rank in per_rank]
         assert all(loss == losses[0] for loss in losses) and all(x is None or 3.0 < x < 8.0 for x in losses[0]), name
+
+
+@pytest.mark.slow
+def test_dropout_acts_in_training_forwards_and_not_in_validation_under_async_pipe(sweep_results):
+    # each stage holds one of the two blocks; grad enabled: a training forward (dropout on), else validation (off)
+    assert [rank["modes"] for rank in sweep_results] == [[(0, False, False), (0, True, True)], [(1, False, False), (1, True, True)]]

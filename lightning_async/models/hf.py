@@ -31,7 +31,7 @@ except ImportError as err:  # pragma: no cover - depends on the environment
 from lightning_async.models.hf_check import check_units
 from lightning_async.models.hf_config import check_local_source, config_from_dict, resolve_config
 from lightning_async.models.hf_context import layer_context
-from lightning_async.models.hf_layouts import HOW_TO_OVERRIDE, layout_of, plan_units
+from lightning_async.models.hf_layouts import HOW_TO_OVERRIDE, context_layout, plan_units
 from lightning_async.models.hf_moe import MoEDecoderLayerUnit, MoELayers, moe_layers_of
 from lightning_async.models.hf_units import DecoderLayerUnit, LogitsHead, PositionsAdded, ScaledEmbedding, UnitView, run_units
 from lightning_async.models.moe_logging import ExpertStatisticsLogger
@@ -248,7 +248,9 @@ class HFCausalLM(CausalLMTraining):
     def pipeline_context(self, input_ids: torch.Tensor) -> dict:
         """What every decoder layer needs besides the hidden states, for a micro-batch of ``input_ids``
         (:func:`~lightning_async.models.hf_context.layer_context`)."""
-        return layer_context(self.model, layout_of(self.model), input_ids)
+        if getattr(self, "_context_layout", None) is None:
+            self._context_layout = context_layout(self.model)
+        return layer_context(self.model, self._context_layout, input_ids)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits: the pipeline units composed on one device."""

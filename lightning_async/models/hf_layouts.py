@@ -95,6 +95,15 @@ def layout_of(hf: nn.Module) -> Layout:
     )
 
 
+def context_layout(hf: nn.Module) -> Layout:
+    """The layout the context is built for: :func:`layout_of`, or for a model without one (whose units a subclass
+    writes) its base model with the plain causal masks and its rotary embedding, if any."""
+    try:
+        return layout_of(hf)
+    except ValueError:
+        return Layout("custom", getattr(hf, "base_model_prefix", "model"))
+
+
 def refuse_unsupported_fields(config) -> None:
     """Raise, naming the config field, for a setting the derived units cannot reproduce."""
     if getattr(config, "use_bidirectional_attention", False):
