@@ -87,7 +87,8 @@ def test_a_refusal_names_the_unit_where_the_units_part_and_the_config_field():
         BareHead(dict(granite))
     with pytest.raises(ValueError, match=r"logits differ after model\.lm_head.*final_logit_softcapping=0\.5\. Subclass"):
         BareHead(dict(FAMILIES["gemma2"]))
-    with pytest.raises(ValueError, match=r"model\.model\.layers\.0 computes a different output from the same input.*side inputs"):
+    with pytest.raises(ValueError, match=r"model\.model\.layers\.0 computes a different output from the same input"
+                                         r".*side inputs"):
         OneRotaryTable(dict(FAMILIES["gemma3"]))
 
 
@@ -96,7 +97,8 @@ def test_settings_the_units_cannot_follow_are_refused_by_their_field():
         HFCausalLM(dict(FAMILIES["gemma3"], use_bidirectional_attention=True))
     with pytest.raises(ValueError, match=r"config\.layerdrop=0\.5 .* set layerdrop to 0"):
         HFCausalLM(dict(FAMILIES["opt"], layerdrop=0.5))
-    with pytest.raises(ValueError, match=r"MptForCausalLM has no pipeline plan .* none of the built-in layouts .*override pipeline_units"):
+    with pytest.raises(ValueError, match=r"MptForCausalLM has no pipeline plan .* none of the built-in layouts .*"
+                                         r"override pipeline_units"):
         HFCausalLM(dict(model_type="mpt", vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, max_seq_len=64))
 
 

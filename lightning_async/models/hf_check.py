@@ -21,7 +21,8 @@ _INSIDE_THE_LAYERS = re.compile(r"^(attn_|attention_|residual_|router_)")  # app
 
 
 def _close(a, b) -> bool:
-    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.allclose(a, b, atol=ATOL, rtol=RTOL)
+    same_shape = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+    return same_shape and torch.allclose(a, b, atol=ATOL, rtol=RTOL)
 
 
 def _max_diff(a, b) -> float | str:
@@ -55,7 +56,8 @@ def record_module_io(model: nn.Module, modules: dict[str, nn.Module], run: Calla
 def suspect_fields(config) -> str:
     """The config's set fields that scale or cap values outside the modules in some families (for the message)."""
     found = [f"{k}={v!r}" for k, v in config.to_dict().items()
-             if _SUSPECT_FIELD.search(k) and not _INSIDE_THE_LAYERS.match(k) and v not in (None, False, 1, 1.0) and not isinstance(v, (dict, list))]
+             if _SUSPECT_FIELD.search(k) and not _INSIDE_THE_LAYERS.match(k)
+             and not isinstance(v, (dict, list)) and v not in (None, False, 1, 1.0)]
     return f" Config fields that may account for it: {', '.join(found)}." if found else ""
 
 
@@ -82,7 +84,9 @@ def where_units_part(model: nn.Module, units: Sequence[tuple[str, nn.Module]], c
             f"{_max_diff(value, expected)}): the *ForCausalLM forward changes them after the head")
 
 
-def check_units(model: nn.Module, units: Sequence[tuple[str, nn.Module]], context_of: Callable, how_to: str, length: int = 8) -> float:
+def check_units(
+    model: nn.Module, units: Sequence[tuple[str, nn.Module]], context_of: Callable, how_to: str, length: int = 8
+) -> float:
     """Raise ``ValueError`` (naming where they part) if ``units`` do not reproduce ``model``'s logits on one short
     sequence, in eval mode; returns the max |diff|."""
     ids = torch.arange(length, device=model.device).remainder(model.config.vocab_size).unsqueeze(0)

@@ -11,7 +11,7 @@ from the config (:func:`head_unit`, :func:`embedding_unit`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from torch import nn
 
@@ -86,7 +86,7 @@ def layout_of(hf: nn.Module) -> Layout:
     for layout in BUILT_IN:
         if all(_has(hf, f"{layout.base}.{name}") for name in layout.required()) and _has(hf, "lm_head"):
             if layout.name == "falcon" and getattr(config, "alibi", False):
-                return Layout(**{**layout.__dict__, "alibi": "falcon"})
+                return replace(layout, alibi="falcon")
             return layout
     looked_for = "; ".join(f"{lay.name}: " + ", ".join(f"{lay.base}.{n}" for n in lay.required()) for lay in BUILT_IN)
     raise ValueError(
@@ -134,7 +134,9 @@ def head_unit(head: nn.Module, config) -> nn.Module:
     return LogitsHead(head, scale, divisor, softcap)
 
 
-def layout_units(hf: nn.Module, layout: Layout, prefix: str = "model", moe: MoELayers | None = None) -> list[tuple[str, nn.Module]]:
+def layout_units(
+    hf: nn.Module, layout: Layout, prefix: str = "model", moe: MoELayers | None = None
+) -> list[tuple[str, nn.Module]]:
     """The pipeline units of ``hf`` in ``layout``, each under its module path (``prefix`` + the path in ``hf``).
     With ``moe``, a decoder layer holding a router becomes a :class:`MoEDecoderLayerUnit`."""
     config = hf.config

@@ -99,7 +99,9 @@ class LogitsHead(UnitView):
     ``logit_scale`` (Cohere), divided by ``logits_scaling`` (Granite), soft-capped at ``final_logit_softcapping``
     (Gemma 2/3: ``cap * tanh(logits / cap)``)."""
 
-    def __init__(self, head: nn.Module, scale: float | None = None, divisor: float | None = None, softcap: float | None = None) -> None:
+    def __init__(
+        self, head: nn.Module, scale: float | None = None, divisor: float | None = None, softcap: float | None = None
+    ) -> None:
         super().__init__(head)
         self.scale, self.divisor, self.softcap = scale, divisor, softcap
 
