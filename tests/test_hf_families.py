@@ -4,6 +4,8 @@ reproduce is refused with where they part, and training runs in train mode (drop
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -58,6 +60,18 @@ def test_the_adapters_each_family_needs_are_in_its_units():
     assert not torch.equal(tables["sliding_attention"][0], tables["full_attention"][0])  # local and global RoPE bases
     for name in ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"]:  # the sweep trains them with router balancing
         assert make_family(name).moe.loss.active, name
+
+
+def test_the_gemma3_recipe_builds_a_gemma3_whose_units_match_it():
+    import yaml
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes/models/hf-gemma3-tiny.yaml"
+    init = yaml.safe_load(recipe.read_text())["model"]["init_args"]
+    module = HFCausalLM(init["model"], vocab_size=VOCAB)  # the construction check compares the units with Gemma 3
+    assert type(module.model).__name__ == "Gemma3ForCausalLM"
+    kinds = [u.attention_type for _, u in module.pipeline_units() if isinstance(u, DecoderLayerUnit)]
+    assert kinds == ["sliding_attention"] * 3 + ["full_attention"]
+    assert isinstance(module.pipeline_units()[-1][1], LogitsHead) and module.pipeline_units()[-1][1].softcap == 30.0
 
 
 # ---- refusals that name the cause -----------------------------------------------------------------
