@@ -108,8 +108,9 @@ class HFCausalLM(CausalLMTraining):
         model_overrides: config fields to change (e.g. ``{"num_hidden_layers": 2}``); with a model directory
             they are passed to ``from_pretrained``.
         compile: ``torch.compile`` each decoder layer (in place: the state-dict keys do not change).
-        attn_implementation: ``"sdpa"`` (causal attention without a mask tensor) or another transformers
-            attention implementation (``"eager"`` builds a mask per micro-batch).
+        attn_implementation: ``"sdpa"`` (causal attention without a mask tensor; a family without it, e.g. Gemma 2,
+            falls back to ``"eager"`` with a warning) or another transformers attention implementation (``"eager"``
+            builds a mask per micro-batch).
         aux_loss_microbatches: mixture of experts: the router losses are computed per micro-batch and averaged.
             Under a pipeline strategy that is its ``n_microbatches`` x ``data_parallel_size`` (leave ``None``, or
             give that number); on one device, give the number of the pipeline you compare with (``None``: 1, the
