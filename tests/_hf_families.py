@@ -1,5 +1,5 @@
 """Tiny random configs of the Hugging Face decoder families ``HFCausalLM`` claims (transformers 5.x), for the
-family sweep of ``tests/test_hf_families.py``: two decoder layers, hidden 32, vocabulary 257, no dropout (so a
+family sweep of ``tests/test_hf_families.py``: two decoder layers, hidden 32, vocabulary 257, no dropout or router noise (so a
 pipeline run and its single-device reference draw no random numbers), and one spawn running a 2-stage 2BW run of
 every family."""
 
@@ -129,3 +129,17 @@ def sweep_reference(name: str, delay: int = 1) -> dict:
     from _pipeline_harness import reference_run
 
     return reference_run("adamw", delay, 0.0, SWEEP_STEPS, 1.0, microbatches=SWEEP_MICROBATCHES, workload=sweep_workload(name))
+ROUTED = dict(output_router_logits=True, router_aux_loss_coef=0.1)
+FAMILIES.update({  # families whose plan (or the common or GPT-2 layout) needs nothing more
+    name: dict(SHAPE, head_dim=8, model_type=name)
+    for name in ["nemotron", "exaone4", "helium", "ministral", "apertus", "arcee", "hunyuan_v1_dense", "internlm3", "ernie4_5",
+                 "vaultgemma"]
+})
+FAMILIES.update({
+    "seed_oss": dict(SHAPE, head_dim=8, model_type="seed_oss", attention_dropout=0.0, residual_dropout=0.0),
+    "gpt_bigcode": dict(SHAPE, model_type="gpt_bigcode", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    **{name: dict(SHAPE, **ROUTED, head_dim=8, model_type=name)
+       for name in ["granitemoe", "granitemoeshared", "cohere2_moe", "phimoe"]},
+    "phimoe": dict(SHAPE, **ROUTED, head_dim=8, model_type="phimoe", router_jitter_noise=0.0, input_jitter_noise=0.0),  # no noise
+    "jetmoe": dict(SHAPE, head_dim=8, model_type="jetmoe"),  # two routers per layer: without router losses (see the test)
+})

@@ -58,7 +58,8 @@ def test_the_adapters_each_family_needs_are_in_its_units():
     assert kinds == ["sliding_attention", "full_attention"]
     tables = gemma3.pipeline_context(ids())["position_embeddings"]
     assert not torch.equal(tables["sliding_attention"][0], tables["full_attention"][0])  # local and global RoPE bases
-    for name in ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"]:  # the sweep trains them with router balancing
+    for name in ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "granitemoe", "granitemoeshared", "cohere2_moe",
+                 "phimoe"]:  # the sweep trains them with router balancing
         assert make_family(name).moe.loss.active, name
 
 
@@ -109,6 +110,8 @@ def test_a_refusal_names_the_unit_where_the_units_part_and_the_config_field():
 def test_settings_the_units_cannot_follow_are_refused_by_their_field():
     with pytest.raises(ValueError, match=r"config\.use_bidirectional_attention=True"):
         HFCausalLM(dict(FAMILIES["gemma3"], use_bidirectional_attention=True))
+    with pytest.raises(ValueError, match=r"model\.model\.layers\.0 has 2 routers .*output_router_logits=False"):
+        HFCausalLM(dict(FAMILIES["jetmoe"], output_router_logits=True, router_aux_loss_coef=0.1))
     with pytest.raises(ValueError, match=r"config\.layerdrop=0\.5 .* set layerdrop to 0"):
         HFCausalLM(dict(FAMILIES["opt"], layerdrop=0.5))
     with pytest.raises(ValueError, match=r"MptForCausalLM has no pipeline plan .* none of the built-in layouts .*"

@@ -118,6 +118,18 @@ def refuse_unsupported_fields(config) -> None:
         )
 
 
+def refuse_several_routers(layer: nn.Module, moe: MoELayers, name: str) -> None:
+    """Raise, naming them, when a layer holds more than one router (JetMoE's attention and MLP experts) while the
+    router losses are on: each MoE unit attaches one router's losses."""
+    routers = [n for n, m in layer.named_modules() if isinstance(m, moe.router_class)]
+    if len(routers) > 1:
+        raise ValueError(
+            f"{name} has {len(routers)} routers ({', '.join(routers)}), and HFCausalLM attaches the load-balancing loss of "
+            "one router per decoder layer: train it with output_router_logits=False (no router loss, as Hugging Face "
+            "then trains it), or override pipeline_units()."
+        )
+
+
 def embedding_unit(embedding: nn.Module, config) -> nn.Module:
     """The token embedding, times ``config.embedding_multiplier`` where the family multiplies (Granite)."""
     multiplier = getattr(config, "embedding_multiplier", None)
@@ -154,6 +166,8 @@ def layout_units(
     for i, layer in enumerate(getattr(base, layout.layers)):
         kind = layer_types[i] if layer_types else "full_attention"
         router = moe.router_of(layer) if moe is not None else None
+        if moe is not None and router is None and moe.loss.active:
+            refuse_several_routers(layer, moe, f"{at}.{layout.layers}.{i}")
         unit = DecoderLayerUnit(layer, kind) if router is None else MoEDecoderLayerUnit(layer, kind, i, router, moe)
         units.append((f"{at}.{layout.layers}.{i}", unit))
     units += [(f"{at}.{name}", getattr(base, name)) for name in layout.after if getattr(base, name, None) is not None]
