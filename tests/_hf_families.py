@@ -143,3 +143,41 @@ FAMILIES.update({
     "phimoe": dict(SHAPE, **ROUTED, head_dim=8, model_type="phimoe", router_jitter_noise=0.0, input_jitter_noise=0.0),  # no noise
     "jetmoe": dict(SHAPE, head_dim=8, model_type="jetmoe"),  # two routers per layer: without router losses (see the test)
 })
+
+
+def forward_difference(name: str) -> float:
+    """Max |units - Hugging Face logits| of family ``name`` on one device, over SDPA and eager attention."""
+    import torch
+
+    x = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(5))
+    worst = 0.0
+    for attn in ("sdpa", "eager"):
+        module = make_family(name, attn_implementation=attn)
+        module.eval()
+        with torch.no_grad():
+            worst = max(worst, (module(x) - module.model(input_ids=x).logits).abs().max().item())
+    return worst
+
+
+def print_measurements() -> None:
+    """``| config | class | forward | 2BW |`` rows of docs/models.md's family table, measured as the tests do."""
+    import torch
+    from _pipeline_harness import spawn
+
+    torch.set_num_threads(1)
+    names = list(FAMILIES)
+    per_rank = spawn(2, sweep_runs, names, timeout=900)
+    for index, name in enumerate(names):
+        expected = sweep_reference(name)
+        got = {k: v for rank in per_rank for k, v in rank[index][0].items()}
+        worst = max((got[n] - expected[n]).abs().max().item() for n in got)
+        print(f"| {name} | {type(make_family(name).model).__name__} | {forward_difference(name):.0e} | {worst:.0e} |")
+
+
+if __name__ == "__main__":  # python tests/_hf_families.py (from the repository root)
+    import sys
+    import warnings
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
+    warnings.filterwarnings("ignore")
+    print_measurements()
