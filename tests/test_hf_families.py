@@ -111,7 +111,7 @@ def test_settings_the_units_cannot_follow_are_refused_by_their_field():
     with pytest.raises(ValueError, match=r"config\.use_bidirectional_attention=True"):
         HFCausalLM(dict(FAMILIES["gemma3"], use_bidirectional_attention=True))
     with pytest.raises(ValueError, match=r"model\.model\.layers\.0 has 2 routers .*output_router_logits=False"):
-        HFCausalLM(dict(FAMILIES["jetmoe"], output_router_logits=True, router_aux_loss_coef=0.1))
+        HFCausalLM(dict(FAMILIES["jetmoe"], output_router_logits=True))  # (its coefficient is aux_loss_coef)
     with pytest.raises(ValueError, match=r"config\.layerdrop=0\.5 .* set layerdrop to 0"):
         HFCausalLM(dict(FAMILIES["opt"], layerdrop=0.5))
     with pytest.raises(ValueError, match=r"MptForCausalLM has no pipeline plan .* none of the built-in layouts .*"

@@ -120,7 +120,7 @@ def refuse_unsupported_fields(config) -> None:
 
 def refuse_several_routers(layer: nn.Module, moe: MoELayers, name: str) -> None:
     """Raise, naming them, when a layer holds more than one router (JetMoE's attention and MLP experts) while the
-    router losses are on: each MoE unit attaches one router's losses."""
+    config asks for router losses (``output_router_logits``): each MoE unit attaches one router's losses."""
     routers = [n for n, m in layer.named_modules() if isinstance(m, moe.router_class)]
     if len(routers) > 1:
         raise ValueError(
@@ -166,7 +166,7 @@ def layout_units(
     for i, layer in enumerate(getattr(base, layout.layers)):
         kind = layer_types[i] if layer_types else "full_attention"
         router = moe.router_of(layer) if moe is not None else None
-        if moe is not None and router is None and moe.loss.active:
+        if moe is not None and router is None and getattr(config, "output_router_logits", False):
             refuse_several_routers(layer, moe, f"{at}.{layout.layers}.{i}")
         unit = DecoderLayerUnit(layer, kind) if router is None else MoEDecoderLayerUnit(layer, kind, i, router, moe)
         units.append((f"{at}.{layout.layers}.{i}", unit))
