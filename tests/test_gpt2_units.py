@@ -10,6 +10,7 @@ import torch
 pytest.importorskip("transformers")
 
 from _hf_oracle import GPT2, check_scenarios, gpt2_example, make_gpt2, reference, spawn_results  # noqa: E402
+from lightning_async.models.hf import HFCausalLM  # noqa: E402
 from lightning_async.pipeline.partition import partition_units  # noqa: E402
 from lightning_async.pipeline.stage import build_stage  # noqa: E402
 
@@ -26,6 +27,7 @@ def test_the_example_units_reproduce_gpt2s_logits(attn):
     names = [name for name, _ in module.pipeline_units()]
     assert names == ["model.transformer.wte", "model.transformer.wpe", *(f"model.transformer.h.{i}" for i in range(4)),
                      "model.transformer.ln_f", "model.lm_head"]
+    assert names == [name for name, _ in HFCausalLM.pipeline_units(module)]  # what the built-in layout derives
     for name, unit in module.pipeline_units():  # every unit's weights keep Hugging Face's names
         for pname, p in unit.named_parameters():
             assert module.get_parameter(f"{name}.{pname}") is p

@@ -134,9 +134,9 @@ def test_missing_path_is_named_at_construction(tmp_path):
 
 
 def test_model_without_plan_or_layout_says_how_to_provide_units():
-    gpt2 = dict(model_type="gpt2", vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0)
-    with pytest.raises(ValueError, match=r"GPT2LMHeadModel has no pipeline plan.*Subclass HFCausalLM and override pipeline_units\(\)"):
-        HFCausalLM(gpt2)
+    mpt = dict(model_type="mpt", vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, max_seq_len=64)
+    with pytest.raises(ValueError, match=r"MptForCausalLM has no pipeline plan.*Subclass HFCausalLM and override pipeline_units\(\)"):
+        HFCausalLM(mpt, attn_implementation="eager")
 
 
 @pytest.mark.parametrize("fields", [
@@ -154,11 +154,13 @@ def test_families_with_a_pipeline_plan_derive_their_units(fields):
         assert (module(ids()) - module.model(input_ids=ids()).logits).abs().max().item() <= 1e-6
 
 
-def test_units_that_miss_part_of_the_forward_are_refused():
-    # Granite multiplies the embeddings inside the base model's forward: the derived units cannot know
-    granite = dict(SHAPE, model_type="granite", embedding_multiplier=2.0)
-    with pytest.raises(ValueError, match=r"units of GraniteForCausalLM do not reproduce its forward pass.*override pipeline_units"):
-        HFCausalLM(granite)
+def test_granites_multipliers_are_applied_by_the_units():
+    # Granite multiplies the embeddings in the base model's forward and divides the logits in the head's
+    granite = dict(SHAPE, model_type="granite", embedding_multiplier=2.0, logits_scaling=4.0)
+    module = make_hf(granite)
+    module.eval()
+    with torch.no_grad():
+        assert (module(ids()) - module.model(input_ids=ids()).logits).abs().max().item() <= 1e-6
 
 
 class WithoutFinalNorm(HFCausalLM):
@@ -167,7 +169,8 @@ class WithoutFinalNorm(HFCausalLM):
 
 
 def test_overridden_units_are_checked_against_the_forward_too():
-    with pytest.raises(ValueError, match=r"units of LlamaForCausalLM do not reproduce its forward pass"):
+    with pytest.raises(ValueError, match=r"units of LlamaForCausalLM do not reproduce its forward pass.*"
+                                         r"between model\.model\.layers\.3 and model\.lm_head"):
         WithoutFinalNorm(dict(LLAMA))
 
 

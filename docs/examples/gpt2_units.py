@@ -1,12 +1,13 @@
-"""GPT-2 under the pipeline: a Hugging Face model without a pipeline plan, given its units by hand.
+"""Units written by hand, on GPT-2: what ``HFCausalLM``'s built-in GPT-2 layout derives, spelled out.
 
-``GPT2LMHeadModel`` has neither ``base_model_pp_plan`` nor the Llama layout, so ``HFCausalLM`` refuses it and
-says to override ``pipeline_units()``. Its forward is ``wte(ids) + wpe(positions)`` -> dropout -> ``h.N`` ->
-``ln_f`` -> ``lm_head`` (tied to ``wte``). Units must be modules under their own paths (the other stages replace
-them by placeholders; the parameter names stay Hugging Face's), so the learned positions become a unit of their
-own after the token embedding: a view of ``wpe`` that adds the positions (from the context) and applies the
-embedding dropout. The blocks are ``DecoderLayerUnit``s (their mask comes from ``pipeline_context``, which needs
-nothing GPT-2-specific). ``HFCausalLM`` checks at construction that these units reproduce the model's logits.
+``GPT2LMHeadModel`` has no pipeline plan; ``HFCausalLM`` knows its layout (``lightning_async.models.hf_layouts``),
+and a model it does not know needs ``pipeline_units()`` written once, like this. GPT-2's forward is
+``wte(ids) + wpe(positions)`` -> dropout -> ``h.N`` -> ``ln_f`` -> ``lm_head`` (tied to ``wte``). Units must be
+modules under their own paths (the other stages replace them by placeholders; the parameter names stay Hugging
+Face's), so the learned positions become a unit of their own after the token embedding: ``PositionsAdded``, a
+view of ``wpe`` that adds the positions (from the context) and applies the embedding dropout. The blocks are
+``DecoderLayerUnit``s (their mask comes from ``pipeline_context``, which needs nothing GPT-2-specific).
+``HFCausalLM`` checks at construction that these units reproduce the model's logits.
 
     python docs/examples/gpt2_units.py          # builds a tiny GPT-2, checks the units, trains 30 steps on 1 device
 
@@ -17,19 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_async.models.hf import DecoderLayerUnit, HFCausalLM, UnitView
-
-
-class PositionsAdded(UnitView):
-    """``hidden + wpe(position_ids)``, then the embedding dropout: GPT-2's learned positions as a unit (a view of
-    ``transformer.wpe``, so its weight keeps the name ``transformer.wpe.weight``)."""
-
-    def __init__(self, wpe: torch.nn.Embedding, dropout: torch.nn.Module) -> None:
-        super().__init__(wpe)
-        self.__dict__["dropout"] = dropout  # owned (and switched to eval) by the model
-
-    def forward(self, hidden_states: torch.Tensor, context: dict) -> torch.Tensor:
-        return self.dropout(hidden_states + self.viewed(context["position_ids"]))
+from lightning_async.models.hf import DecoderLayerUnit, HFCausalLM, PositionsAdded
 
 
 class GPT2CausalLM(HFCausalLM):
