@@ -35,6 +35,7 @@ from lightning_async import compat
 from lightning_async.strategies import AsyncPipelineStrategy  # (importing registers async_pipe / sync_pipe)
 from lightning_async.callbacks import DelayCorrection, DelaySimulation, DivergenceGuard, ErrorFeedback, RunTelemetry
 from lightning_async.callbacks.delay import check_corrections, check_delay_profiles
+from lightning_async.callbacks.telemetry import label_log_dirs
 from lightning_async.data import TextDataModule
 from lightning_async.lm import CausalLM
 from lightning_async.pipeline.checkpoint import refuse_pipeline_checkpoint
@@ -257,6 +258,9 @@ class AsyncCLI(LightningCLI):
                 refuse_pipeline_checkpoint(self.config_init.get(self.subcommand, {}).get("ckpt_path"))
         except ValueError as err:
             raise CLIError(str(err)) from err
+        telemetry = [cb for cb in self.trainer.callbacks if isinstance(cb, RunTelemetry) and cb.label_log_dir]
+        if telemetry:  # runs/quickstart/2bw-adamw/version_0: TensorBoard's run list says what each run is
+            label_log_dirs(self.trainer, self.model)
 
 
 def run_cli(args: list[str] | None = None) -> AsyncCLI:

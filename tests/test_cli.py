@@ -66,7 +66,8 @@ def test_quickstart_fit_writes_tensorboard_and_lowers_the_loss(tmp_path):
         "--data.cache_dir", str(tmp_path / "cache"), *SMALL_DATA,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    run_dir = next((tmp_path / "runs" / "quickstart").iterdir())
+    assert [p.name for p in (tmp_path / "runs" / "quickstart").iterdir()] == ["sync-adamw"]  # the folder says what it is
+    run_dir = tmp_path / "runs" / "quickstart" / "sync-adamw" / "version_0"
     assert list(run_dir.glob("events.out.tfevents.*")) and (run_dir / "config.yaml").exists() and (run_dir / "DONE").exists()
     train = read_scalars(run_dir, "train/loss")
     assert train[-1] < train[0] - 1.0, train
@@ -82,7 +83,7 @@ def test_recipes_compose_into_a_delayed_ef_muon_run(tmp_path):
         "--trainer.enable_progress_bar", "false", "--data.cache_dir", str(tmp_path / "cache"), *SMALL_DATA,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    run_dir = next((tmp_path / "runs" / "quickstart").iterdir())
+    run_dir = tmp_path / "runs" / "quickstart" / "delayed-ef-muon" / "version_0"
     identity = yaml.safe_load((run_dir / "hparams.yaml").read_text())
     assert (identity["optimizer"], identity["mode"], identity["delay"], identity["ef_strength"]) == ("muon", "delayed", 1, 1.0)
 
@@ -119,7 +120,7 @@ def test_real_pipeline_from_the_cli(tmp_path):
     proc = subprocess.run([sys.executable, str(script), *args], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, PYTHONWARNINGS="ignore"))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    run_dir = next((tmp_path / "runs" / "quickstart").iterdir())
+    run_dir = tmp_path / "runs" / "quickstart" / "2bw-adamw" / "version_0"
     identity = yaml.safe_load((run_dir / "hparams.yaml").read_text())
     assert identity["mode"] == "async_pipe"
     assert len(read_scalars(run_dir, "val/loss")) == 1

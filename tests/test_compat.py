@@ -144,3 +144,14 @@ def test_the_cli_instantiator_registry_is_wrapped() -> None:
     wrapped = []
     compat.wrap_instantiators(parser, lambda inner: wrapped.append(inner) or inner)
     assert len(wrapped) == len(parser._instantiators)
+
+
+def test_the_loggers_read_their_name_lazily(tmp_path) -> None:
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    for logger in (TensorBoardLogger(tmp_path, name="quick"), CSVLogger(tmp_path, name="quick")):
+        assert compat.add_to_logger_name(logger, "2bw-adamw")
+        assert compat.add_to_logger_name(logger, "2bw-adamw")  # once only
+        assert logger.log_dir == str(tmp_path / "quick" / "2bw-adamw" / "version_0")
+    named = TensorBoardLogger(tmp_path, name="runs", version="adamw-sync-s0")
+    assert not compat.add_to_logger_name(named, "sync-adamw") and named.log_dir == str(tmp_path / "runs" / "adamw-sync-s0")
