@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 import threading
+import warnings
 from pathlib import Path
 
 import yaml
@@ -33,7 +34,10 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_async import compat
 from lightning_async.strategies import AsyncPipelineStrategy  # (importing registers async_pipe / sync_pipe)
-from lightning_async.callbacks import DelayCorrection, DelaySimulation, DivergenceGuard, ErrorFeedback, RunTelemetry
+from lightning_async.callbacks import (
+    DelayCorrection, DelaySimulation, DivergenceGuard, ErrorFeedback, RunTelemetry, StepProgress,
+)
+from lightning_async.callbacks.progress import replace_default_bar
 from lightning_async.callbacks.delay import check_corrections, check_delay_profiles
 from lightning_async.callbacks.telemetry import label_log_dirs
 from lightning_async.data import TextDataModule
@@ -200,6 +204,7 @@ class AsyncCLI(LightningCLI):
         parser.set_defaults({"correction.method": "none"})
         parser.add_lightning_class_args(RunTelemetry, "telemetry")
         parser.add_lightning_class_args(DivergenceGuard, "divergence")  # on by default; --divergence.stop false
+        parser.add_lightning_class_args(StepProgress, "progress")  # lines instead of the default bar (callbacks/progress.py)
         parser.set_defaults({"model": {"class_path": DEFAULT_MODEL}})
         parser.link_arguments("data.vocab_size", "model.init_args.vocab_size", apply_on="instantiate")
 
@@ -258,6 +263,9 @@ class AsyncCLI(LightningCLI):
                 refuse_pipeline_checkpoint(self.config_init.get(self.subcommand, {}).get("ckpt_path"))
         except ValueError as err:
             raise CLIError(str(err)) from err
+        configured = self.config_init.get(self.subcommand, {}).get("trainer", {}).get("callbacks") or []
+        for progress in [cb for cb in self.trainer.callbacks if isinstance(cb, StepProgress)]:
+            replace_default_bar(self.trainer, progress, configured if isinstance(configured, list) else [configured])
         telemetry = [cb for cb in self.trainer.callbacks if isinstance(cb, RunTelemetry) and cb.label_log_dir]
         if telemetry:  # runs/quickstart/2bw-adamw/version_0: TensorBoard's run list says what each run is
             label_log_dirs(self.trainer, self.model)
@@ -288,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in TOOLS:
         module, function = TOOLS[argv[0]]
         return int(getattr(importlib.import_module(module), function)(argv[1:]) or 0)
+    # torch 2.10+ deprecates a check Lightning's _pytree makes on every batch: said once per rank, to no use of yours
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     in_main_thread = threading.current_thread() is threading.main_thread()  # signal handlers live there only
     previous_handler = signal.signal(signal.SIGTERM, stop_on_sigterm_until_lightning_handles_it) if in_main_thread else None
     try:
