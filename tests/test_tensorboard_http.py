@@ -1,6 +1,7 @@
 """What a user sees in TensorBoard, read from a real ``tensorboard`` server's HTTP data endpoints (the ones its web
 page calls): the run list of a ``runs/`` folder names each run by what it is, and compare's output draws, in every
-comparison chart, two or more series of more than one point each."""
+comparison chart, two or more series of more than one point each. (The training runs also show the CLI's progress
+lines.)"""
 
 from __future__ import annotations
 
@@ -77,14 +78,18 @@ def trained(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("tensorboard")
     short = ["fit", "--config", "quickstart", "--trainer.max_steps", "20", "--trainer.val_check_interval", "10",
              "--trainer.log_every_n_steps", "2", "--trainer.limit_val_batches", "2", "--trainer.num_sanity_val_steps", "0",
-             "--trainer.enable_progress_bar", "false", "--data.cache_dir", str(tmp_path / "cache"), *SMALL_DATA]
+             "--data.cache_dir", str(tmp_path / "cache"), *SMALL_DATA]
     results = run_cli_invocations(tmp_path, {
-        "sync": short,
-        "delayed-ef": [*short, "--config", "modes/delayed-ef"],
+        "sync": short,  # with the default progress: StepProgress's lines
+        "delayed-ef": [*short, "--config", "modes/delayed-ef", "--trainer.enable_progress_bar", "false"],
         "compare": ["compare", "runs", "--output", "compare", "--no-plots"],
     })
     for name, result in results.items():
         assert result["returncode"] == 0, (name, result["stderr"][-3000:])
+    lines = results["sync"]["stdout"].splitlines()
+    assert [line.split(" |")[0] for line in lines if line.startswith("step ")] == [f"step {n}/20" for n in range(2, 21, 2)]
+    assert "validation at step 10: val/loss" in results["sync"]["stdout"] and "v_num" not in results["sync"]["stdout"]
+    assert not any(line.startswith("step ") for line in results["delayed-ef"]["stdout"].splitlines())
     return tmp_path
 
 
