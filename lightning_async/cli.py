@@ -10,11 +10,9 @@ part (``run_cli``, ``AsyncCLI``, ``CLIError``, ...) are still reachable from her
 from __future__ import annotations
 
 import importlib
-import signal
 import sys
 
-EXIT_BAD_INPUT = 2
-EXIT_SIGTERM = 128 + signal.SIGTERM
+from lightning_async.exit_codes import EXIT_BAD_INPUT, EXIT_SIGTERM  # noqa: F401  (EXIT_SIGTERM: the training part's)
 
 # subcommand -> (module, function); imported lazily so `fit` does not pay for matplotlib & co.
 TOOLS = {

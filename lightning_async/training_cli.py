@@ -31,7 +31,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_async import compat
-from lightning_async.cli import EXIT_BAD_INPUT, EXIT_SIGTERM
+from lightning_async.exit_codes import EXIT_BAD_INPUT, EXIT_SIGTERM
 from lightning_async.strategies import AsyncPipelineStrategy  # (importing registers async_pipe / sync_pipe)
 from lightning_async.callbacks import (
     DelayCorrection, DelaySimulation, DivergenceGuard, ErrorFeedback, RunTelemetry, StepProgress,
