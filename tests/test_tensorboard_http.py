@@ -73,15 +73,15 @@ def wait_for_runs(base: str, expected: int, timeout: float = 60.0) -> list[str]:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A sync run and a delayed+EF run of the quick start (20 steps, validated twice), and compare's output on them."""
-    from test_cli import SMALL_DATA, run_cli_invocations
+    from test_cli import REPO, SMALL_DATA, run_cli_invocations
 
     tmp_path = tmp_path_factory.mktemp("tensorboard")
-    short = ["fit", "--config", "quickstart", "--trainer.max_steps", "20", "--trainer.val_check_interval", "10",
+    short = ["fit", "--config", str(REPO / "recipes/quickstart.yaml"), "--trainer.max_steps", "20", "--trainer.val_check_interval", "10",
              "--trainer.log_every_n_steps", "2", "--trainer.limit_val_batches", "2", "--trainer.num_sanity_val_steps", "0",
              "--data.cache_dir", str(tmp_path / "cache"), *SMALL_DATA]
     results = run_cli_invocations(tmp_path, {
         "sync": short,  # with the default progress: StepProgress's lines
-        "delayed-ef": [*short, "--config", "modes/delayed-ef", "--trainer.enable_progress_bar", "false"],
+        "delayed-ef": [*short, "--config", str(REPO / "recipes/modes/delayed-ef.yaml"), "--trainer.enable_progress_bar", "false"],
         "compare": ["compare", "runs", "--output", "compare", "--no-plots"],
     })
     for name, result in results.items():
@@ -99,6 +99,7 @@ def test_the_run_list_of_a_runs_folder_says_what_each_run_is(trained):
         assert sorted(runs) == ["quickstart/delayed-ef-adamw/version_0", "quickstart/sync-adamw/version_0"]
         tags = get(base, "data/plugin/scalars/tags")
         assert all("val/loss" in tags[run] and "train/loss" in tags[run] for run in runs), tags
+        assert not any({"epoch", "hp_metric"} & set(tags[run]) for run in runs), tags  # no flat series opens the page
 
 
 def test_every_comparison_chart_draws_two_series_of_several_points(trained):
