@@ -21,11 +21,13 @@ Why each one is needed:
   the epoch already started (the resumable sampler's position);
 * jsonargparse's instantiator registry: the CLI wraps every instantiator to report constructor errors as one line;
 * Lightning's reading of ``configure_optimizers``' result: the pipeline counts the optimizers before any rank starts.
+* a logger's name and version: the run's label goes under the name before the log folder is first asked for.
 """
 
 from __future__ import annotations
 
 import io
+import os
 from collections.abc import Callable
 
 import torch
@@ -97,6 +99,17 @@ def logged_step(trainer) -> int:
 def batches_started_this_epoch(trainer) -> int:
     """Batches of the current epoch the fit loop has started (restored from a checkpoint's loop state)."""
     return trainer.fit_loop.epoch_loop.batch_progress.current.ready
+
+
+def add_to_logger_name(logger, part: str) -> bool:
+    """Put ``part`` under the name of a logger whose version is still to be numbered (Lightning's TensorBoard and
+    CSV loggers keep the name in ``_name`` and read it lazily); False for a logger given a version or of another kind."""
+    name = getattr(logger, "_name", None)
+    if getattr(logger, "_version", "") is not None or not isinstance(name, str):
+        return False
+    if os.path.basename(name) != part:
+        logger._name = os.path.join(name, part) if name else part
+    return True
 
 
 def wrap_instantiators(parser, wrap: Callable) -> None:

@@ -19,6 +19,7 @@ Framework-free on purpose (no torch, no Lightning): the correction names are lis
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -84,6 +85,29 @@ def classify(mode: str, correction: str = NO_CORRECTION, strength: float | None 
     if mode in SYNC_MODES:
         return SYNC
     return ASYNC if strength == 0 else correction_category(correction)
+
+
+def _label_part(text: str) -> str:
+    """``text`` as a piece of a folder name: letters, digits, ``.``, ``+`` and ``-`` only."""
+    return re.sub(r"[^A-Za-z0-9.+-]+", "-", str(text)).strip("-").lower() or "x"
+
+
+def run_label(identity: RunIdentity, schedule: str | None = None) -> str:
+    """The folder name that says what a run is: its mode (the pipeline ``schedule``'s name for a pipeline run,
+    ``sync`` or ``delayed`` on one device, with a non-uniform delay profile after it), the correction in effect
+    and the optimizer: ``sync-adamw``, ``delayed-ef-adamw``, ``2bw-adamw``, ``1f1b-muon``, ``2bw-ef-adamw``."""
+    if identity.mode in (MODE_SYNC_PIPE, MODE_ASYNC_PIPE):
+        parts = [schedule or ("2bw" if identity.mode == MODE_ASYNC_PIPE else "1f1b")]
+    else:
+        parts = [identity.mode]
+        if identity.mode == MODE_DELAYED and identity.delay_profile != UNIFORM_PROFILE:
+            parts.append(identity.delay_profile)
+        elif identity.mode == MODE_DELAYED and identity.delay != 1:
+            parts.append(f"d{identity.delay}")
+    if identity.corrected:
+        parts.append(identity.correction)
+    parts.append(identity.optimizer)
+    return "-".join(_label_part(part) for part in parts)
 
 
 def _number(value: Any, kind: type, default):
@@ -199,5 +223,5 @@ class RunIdentity:
 __all__ = [
     "ASYNC", "ASYNC_EF", "CATEGORIES", "DEFAULT_STRENGTHS", "DELAYED_MODES", "EF", "IDENTITY_KEYS", "IdentityError",
     "KNOWN_CORRECTIONS", "KNOWN_MODES", "MissingIdentity", "NO_CORRECTION", "REQUIRED_KEYS", "RunIdentity", "SYNC",
-    "SYNC_MODES", "UNIFORM_PROFILE", "classify", "correction_category", "correction_order",
+    "SYNC_MODES", "UNIFORM_PROFILE", "classify", "correction_category", "correction_order", "run_label",
 ]

@@ -51,7 +51,7 @@ def run_child(request: dict, replies) -> None:
 
 
 def serve() -> None:
-    import lightning_async.cli  # noqa: F401  (the import every child shares)
+    import lightning_async.training_cli  # noqa: F401  (the import every child shares: torch, Lightning)
 
     replies = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # anything else this process prints goes to stderr, not into the replies

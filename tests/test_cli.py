@@ -66,7 +66,8 @@ def test_quickstart_fit_writes_tensorboard_and_lowers_the_loss(tmp_path):
         "--data.cache_dir", str(tmp_path / "cache"), *SMALL_DATA,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    run_dir = next((tmp_path / "runs" / "quickstart").iterdir())
+    assert [p.name for p in (tmp_path / "runs" / "quickstart").iterdir()] == ["sync-adamw"]  # the folder says what it is
+    run_dir = tmp_path / "runs" / "quickstart" / "sync-adamw" / "version_0"
     assert list(run_dir.glob("events.out.tfevents.*")) and (run_dir / "config.yaml").exists() and (run_dir / "DONE").exists()
     train = read_scalars(run_dir, "train/loss")
     assert train[-1] < train[0] - 1.0, train
@@ -82,7 +83,7 @@ def test_recipes_compose_into_a_delayed_ef_muon_run(tmp_path):
         "--trainer.enable_progress_bar", "false", "--data.cache_dir", str(tmp_path / "cache"), *SMALL_DATA,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    run_dir = next((tmp_path / "runs" / "quickstart").iterdir())
+    run_dir = tmp_path / "runs" / "quickstart" / "delayed-ef-muon" / "version_0"
     identity = yaml.safe_load((run_dir / "hparams.yaml").read_text())
     assert (identity["optimizer"], identity["mode"], identity["delay"], identity["ef_strength"]) == ("muon", "delayed", 1, 1.0)
 
@@ -119,7 +120,7 @@ def test_real_pipeline_from_the_cli(tmp_path):
     proc = subprocess.run([sys.executable, str(script), *args], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, PYTHONWARNINGS="ignore"))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    run_dir = next((tmp_path / "runs" / "quickstart").iterdir())
+    run_dir = tmp_path / "runs" / "quickstart" / "2bw-adamw" / "version_0"
     identity = yaml.safe_load((run_dir / "hparams.yaml").read_text())
     assert identity["mode"] == "async_pipe"
     assert len(read_scalars(run_dir, "val/loss")) == 1
@@ -198,17 +199,36 @@ def test_nominal_costs_count_flops_and_parameters_exactly():
 
 @pytest.mark.slow
 def test_top_level_help_lists_every_command_and_leaves_theirs_alone(tmp_path):
-    """Before: `lightning-async --help` listed fit, validate, test and predict only."""
-    from lightning_async.cli import TOOL_SUMMARIES, TOOLS
+    """Before: `lightning-async --help` listed fit, validate, test and predict only, two descriptions cut mid-sentence,
+    and took 7-10 s (it imported torch and Lightning)."""
+    from lightning.pytorch.cli import LightningCLI
+
+    from lightning_async.cli import TOOL_SUMMARIES, TOOLS, TRAINING_SUMMARIES
 
     assert set(TOOL_SUMMARIES) == set(TOOLS) - {"simulate"}  # (`simulate`: the old name of `plan`, not advertised)
-    runs = run_cli_invocations(tmp_path, {"top": ["--help"], "own": ["test", "--help"]}, env={"COLUMNS": "80"})
+    assert list(TRAINING_SUMMARIES) == list(LightningCLI.subcommands())
+    runs = run_cli_invocations(tmp_path, {"top": ["--help"], "own": ["test", "--help"], "none": []}, env={"COLUMNS": "80"})
     top, own = runs["top"], runs["own"]
     assert top["returncode"] == 0, top["stderr"][-2000:]
-    for command in ("fit", "validate", "test", "predict"):
-        assert f"\n    {command} " in top["stdout"]
-    for command, summary in TOOL_SUMMARIES.items():
-        assert f"\n  {command:<9}{summary}\n" in top["stdout"]  # one line each
+    usage = top["stdout"].split("\n\n")[0]
+    assert usage.replace("\n", " ").split() == ["usage:", "lightning-async", "[-h]", "{" + ",".join([*TRAINING_SUMMARIES, *TOOL_SUMMARIES]) + "}", "..."]
+    for command, summary in {**TRAINING_SUMMARIES, **TOOL_SUMMARIES}.items():
+        assert f"\n  {command:<10}{summary}\n" in top["stdout"]  # one line each, whole
     assert max(len(line) for line in top["stdout"].splitlines()) <= 80
+    assert runs["none"]["returncode"] == 2 and runs["none"]["stderr"].startswith("error: give a command: fit, validate")
     assert own["returncode"] == 0 and own["stdout"].startswith("usage: cli.py [options] test")
     assert "more commands" not in own["stdout"] and "make sure you never run on your\n" in own["stdout"]  # LightningCLI's own
+
+
+def test_the_top_level_help_imports_neither_torch_nor_lightning(tmp_path):
+    """`lightning-async --help` through the console script's own name: the package skips its torch imports for it."""
+    script = ("import sys; sys.argv = ['/venv/bin/lightning-async', '--help']\n"
+              "from lightning_async.cli import main\n"
+              "assert main() == 0\n"
+              "heavy = sorted(m for m in ('torch', 'lightning', 'jsonargparse') if m in sys.modules)\n"
+              "print('imported:', heavy)\n"
+              "import lightning_async\n"
+              "print('export:', lightning_async.AsyncPipelineStrategy.__name__)\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "imported: []" in proc.stdout and "export: AsyncPipelineStrategy" in proc.stdout, proc.stdout

@@ -109,7 +109,7 @@ def test_written_outputs(tmp_path):
     assert "### adamw" in report and "### muon" in report and "## Runs" in report and "## Commands" in report
     assert "adamw-async_EF-s2" in report  # run list
     assert "2.890" in report and "Paper reference" in report  # paper numbers side by side
-    for png in ("val_loss_adamw.png", "val_loss_muon.png", "val_loss_grid.png"):
+    for png in ("val_loss_adamw.png", "val_loss_muon.png", "val_loss_grid.png", "train_loss_adamw.png", "train_loss_grid.png"):
         data = (out / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
     from lightning_async.compare.layout import read_layout
@@ -119,10 +119,15 @@ def test_written_outputs(tmp_path):
     assert layout is not None
     titles = [c.title for c in layout.category]
     assert "compare: adamw" in titles and "compare: muon" in titles
-    chart = layout.category[titles.index("compare: adamw")].chart[0]
-    assert chart.multiline.tag == ["^adamw/val_loss/"]
-    overlay = read_scalars(out / "tensorboard")
-    assert overlay["adamw/val_loss/async+EF/adamw-async_EF-s0"][-1] == (100, pytest.approx(2.640))
+    charts = layout.category[titles.index("compare: adamw")].chart
+    assert [chart.multiline.tag[0] for chart in charts] == ["^adamw/val_loss$", "^adamw/train_loss$"]
+    assert "original tags" not in " ".join(titles)  # only the compared runs are in this logdir
+    series = sorted(p.name for p in (out / "tensorboard").iterdir() if p.is_dir())
+    assert series == sorted(f"{c}-s{seed}" for c in ("sync", "async", "async+EF") for seed in (0, 1, 2))
+    overlay = read_scalars(out / "tensorboard" / "async+EF-s0")
+    original = read_scalars(runs_dir / "adamw-async_EF-s0")
+    assert overlay["adamw/val_loss"] == original["val/loss"] and overlay["adamw/val_loss"][-1] == (100, pytest.approx(2.640))
+    assert overlay["adamw/train_loss"] == original["train/loss"] and len(overlay["adamw/train_loss"]) > 1
     # the report dir is not mistaken for a run when comparing a parent of both
     assert len(compare([tmp_path]).runs) == 18
 
@@ -532,8 +537,8 @@ def test_report_plots_and_layout_show_the_corrections(tmp_path, capsys):
 
     chart = read_layout(out / "tensorboard").category[0].chart[0]
     assert chart.title == "adamw: val/loss, sync vs async vs async+EF vs async+nesterov vs async+weight-prediction"
-    overlay = read_scalars(out / "tensorboard")
-    assert overlay["adamw/val_loss/async+nesterov/adamw-nesterov-s1"][-1] == (20, pytest.approx(2.12))
+    overlay = read_scalars(out / "tensorboard" / "async+nesterov-s1")
+    assert overlay["adamw/val_loss"][-1] == (20, pytest.approx(2.12))
 
 
 # ---- the example of docs/compare.md ------------------------------------------------------------

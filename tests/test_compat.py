@@ -158,3 +158,14 @@ def test_every_form_of_configure_optimizers_is_counted() -> None:
     for expected, results in forms.items():
         for result in results:
             assert len(compat.configured_optimizers(result)) == expected
+
+
+def test_the_loggers_read_their_name_lazily(tmp_path) -> None:
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    for logger in (TensorBoardLogger(tmp_path, name="quick"), CSVLogger(tmp_path, name="quick")):
+        assert compat.add_to_logger_name(logger, "2bw-adamw")
+        assert compat.add_to_logger_name(logger, "2bw-adamw")  # once only
+        assert logger.log_dir == str(tmp_path / "quick" / "2bw-adamw" / "version_0")
+    named = TensorBoardLogger(tmp_path, name="runs", version="adamw-sync-s0")
+    assert not compat.add_to_logger_name(named, "sync-adamw") and named.log_dir == str(tmp_path / "runs" / "adamw-sync-s0")

@@ -369,7 +369,7 @@ def test_pipeline_follows_the_single_device_rule(oracle_results):
 # ---- the command line, checkpoints and export ----------------------------------------------------
 def fit_from_the_cli(tmp_path, *extra: str, recipe: str = "hf-llama-tiny"):
     """``lightning-async fit`` with the quick start and an HF model recipe; returns the run directory (the recipe
-    names it: ``runs/<recipe>/version_0``, as the README's ``export`` command expects)."""
+    and the run's label name it: ``runs/<recipe>/<label>/version_0``, as the README's ``export`` command expects)."""
     from test_cli import REPO, SMALL_DATA, run_cli
 
     proc = run_cli(
@@ -379,9 +379,9 @@ def fit_from_the_cli(tmp_path, *extra: str, recipe: str = "hf-llama-tiny"):
         "--data.cache_dir", str(tmp_path / "cache"), *SMALL_DATA,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    run_dir = tmp_path / "runs" / recipe / "version_0"
-    assert run_dir.is_dir(), sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "runs").glob("*/*"))
-    return run_dir
+    found = sorted((tmp_path / "runs" / recipe).glob("*/version_0"))
+    assert len(found) == 1, sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "runs").glob("*/*/*"))
+    return found[0]
 
 
 def check_export(checkpoint, state_dict: dict, hparams: dict, out_dir) -> None:

@@ -22,6 +22,7 @@ from lightning_async.identity import (
     classify,
     correction_category,
     correction_order,
+    run_label,
 )
 
 IDENTITIES = [
@@ -140,3 +141,18 @@ def test_the_schema_imports_no_framework() -> None:
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("record, schedule, label", [
+    ({"optimizer": "adamw", "mode": "sync"}, None, "sync-adamw"),
+    ({"optimizer": "muon", "mode": "delayed", "ef_strength": 1.0}, None, "delayed-ef-muon"),
+    ({"optimizer": "adamw", "mode": "delayed", "delay": 3, "delay_profile": "pipedream-4"}, None, "delayed-pipedream-4-adamw"),
+    ({"optimizer": "adamw", "mode": "delayed", "delay": 2}, None, "delayed-d2-adamw"),
+    ({"optimizer": "adamw", "mode": "async_pipe"}, "2bw", "2bw-adamw"),
+    ({"optimizer": "adamw", "mode": "async_pipe", "correction": "ef"}, "2bw", "2bw-ef-adamw"),
+    ({"optimizer": "adamw", "mode": "async_pipe", "correction": "ef", "correction_strength": 0}, "2bw", "2bw-adamw"),
+    ({"optimizer": "adamw", "mode": "sync_pipe"}, "1f1b", "1f1b-adamw"),
+    ({"optimizer": "My Opt/x", "mode": "sync_pipe"}, "zbv", "zbv-my-opt-x"),
+])
+def test_run_label_names_mode_schedule_correction_and_optimizer(record, schedule, label) -> None:
+    assert run_label(RunIdentity.from_mapping(record), schedule) == label

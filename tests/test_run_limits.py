@@ -90,6 +90,6 @@ def test_a_fit_trains_the_capped_steps_and_validates_once(tmp_path, monkeypatch)
     monkeypatch.setenv(MAX_STEPS_VARIABLE, "3")
     monkeypatch.chdir(tmp_path)
     assert main(["fit", "--config", "quickstart", "--trainer.enable_progress_bar", "false", *SMALL_DATA]) == 0
-    run_dir = tmp_path / "runs/quickstart/version_0"
+    run_dir = tmp_path / "runs/quickstart/sync-adamw/version_0"
     assert json.loads((run_dir / "DONE").read_text())["global_step"] == 3  # the recipe says 300
     assert len(read_scalars(run_dir, "val/loss")) == 1 and len(read_scalars(run_dir, "train/loss")) >= 1

@@ -96,7 +96,7 @@ def test_quickstart_composes_recipes_by_name_from_an_empty_directory(installed):
         "--trainer.num_sanity_val_steps", "0",
         "--trainer.enable_progress_bar", "false", "--data.max_chars", "100000", "--data.val_batches", "1",
         "--data.progress", "false", "--data.cache_dir", "cache")
-    (run_dir,) = (installed.empty / "runs" / "quickstart").iterdir()
+    run_dir = installed.empty / "runs" / "quickstart" / "delayed-ef-muon" / "version_0"
     assert (run_dir / "DONE").exists()
     identity = yaml.safe_load((run_dir / "hparams.yaml").read_text())
     composed = (identity["optimizer"], identity["mode"], identity["delay"], identity["ef_strength"])

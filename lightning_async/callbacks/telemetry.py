@@ -1,5 +1,6 @@
 """``RunTelemetry``: the run's identity as hyperparameters, per-group learning rates, gradient norm,
-throughput, and a ``DONE`` marker when fit finishes (what ``compare`` and ``study`` read)."""
+throughput, and a ``DONE`` marker when fit finishes (what ``compare`` and ``study`` read); and
+:func:`label_log_dirs`, which puts the run's label (``2bw-adamw``, ``sync-adamw``) into its log folder."""
 
 from __future__ import annotations
 
@@ -12,10 +13,13 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.core.saving import save_hparams_to_yaml
 from lightning.pytorch.utilities import rank_zero_only
 
-from lightning_async.callbacks.delay import DelaySimulation, pipeline_schedule
+from lightning_async import compat
+from lightning_async.callbacks.delay import DelayCorrection, DelaySimulation, pipeline_schedule
 from lightning_async.identity import (
     DONE_FILE, MODE_ASYNC_PIPE, MODE_DELAYED, MODE_SYNC, MODE_SYNC_PIPE, NO_CORRECTION, UNIFORM_PROFILE, RunIdentity,
+    run_label,
 )
+from lightning_async.optim.corrections import as_correction
 
 
 def run_identity(trainer: Trainer, pl_module: LightningModule) -> dict:
@@ -32,7 +36,8 @@ def run_identity(trainer: Trainer, pl_module: LightningModule) -> dict:
         mode, delay = (MODE_ASYNC_PIPE, 1) if schedule.delayed else (MODE_SYNC_PIPE, 0)
     else:
         mode = MODE_DELAYED if delay else MODE_SYNC
-    corrections = live_corrections(trainer)  # what the runtime or the simulation's wrappers apply, however it was set
+    # what the runtime or the simulation's wrappers apply, however it was set; before fit, what is configured to
+    corrections = live_corrections(trainer) or configured_corrections(trainer)
     correction = corrections[0] if corrections else None
     return RunIdentity.from_mapping({  # raw values (a module's lr may be anything): read as compare reads them
         "optimizer": hparams.get("optimizer") or "custom",
@@ -54,6 +59,28 @@ def live_corrections(trainer: Trainer) -> list:
     return [c for c in found if c is not None and c.enabled]
 
 
+def configured_corrections(trainer: Trainer) -> list:
+    """The corrections this run is set up to apply (active correction callbacks, the pipeline strategy's
+    ``correction=``), before fit builds them into the optimizers or the runtime."""
+    found = [cb.correction for cb in trainer.callbacks if isinstance(cb, DelayCorrection) and cb.active]
+    if pipeline_schedule(trainer) is not None:
+        found.append(as_correction(getattr(trainer.strategy, "correction", None)))
+    return [c for c in found if c is not None and c.enabled]
+
+
+def label_log_dirs(trainer: Trainer, pl_module: LightningModule) -> str:
+    """Put this run's label (:func:`~lightning_async.identity.run_label`) under the name of each logger whose
+    version Lightning numbers itself, before anything asks for the log folder:
+    ``runs/quickstart/version_0`` becomes ``runs/quickstart/2bw-adamw/version_0``. A logger given an explicit
+    version (``study`` names its runs) keeps its folder. Returns the label."""
+    identity = RunIdentity.from_mapping(run_identity(trainer, pl_module))
+    schedule = pipeline_schedule(trainer)
+    label = run_label(identity, schedule.name if schedule is not None else None)
+    for logger in trainer.loggers:
+        compat.add_to_logger_name(logger, label)
+    return label
+
+
 def _group_name(group: dict, index: int) -> str:
     return str(group.get("name", f"group{index}"))
 
@@ -62,8 +89,10 @@ class RunTelemetry(Callback):
     """Logs ``lr/<group>``, ``train/grad_norm`` (before clipping), ``train/tokens_per_sec``, the correction's
     statistics (``correction/strength`` for adaptive EF); writes ``DONE``."""
 
-    def __init__(self, log_every_n_steps: int | None = None) -> None:
+    def __init__(self, log_every_n_steps: int | None = None, label_log_dir: bool = True) -> None:
+        """``label_log_dir``: the CLI puts the run's label into its log folder (:func:`label_log_dirs`)."""
         self.log_every_n_steps = log_every_n_steps
+        self.label_log_dir = label_log_dir
         self._last_time: float | None = None
         self._rates: dict = {}
         self.identity: dict = {}

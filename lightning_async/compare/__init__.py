@@ -26,6 +26,8 @@ from lightning_async.compare.events import (
     ASYNC_EF,
     OUTPUT_MARKER,
     SYNC,
+    TRAIN_LOSS,
+    VAL_LOSS,
     CompareError,
     Run,
     RunIdentity,
@@ -140,7 +142,7 @@ def compare(
     if plots:
         from lightning_async.compare.plots import write_plots
 
-        result.plots = write_plots(rows, out)
+        result.plots = [*write_plots(rows, out, VAL_LOSS), *write_plots(rows, out, TRAIN_LOSS)]
     from lightning_async.compare.layout import write_layout
 
     result.layout_dir = write_layout(rows, out / "tensorboard")
@@ -190,5 +192,5 @@ def compare_main(argv: list[str] | None = None) -> int:
         print(f"\nreport: {result.report}")
         for path in result.plots:
             print(f"plot:   {path}")
-        print(f"tensorboard --logdir {result.layout_dir}  (Custom Scalars tab)")
+        print(f"tensorboard --logdir {result.layout_dir}  (its runs are the compared series: Scalars, Custom Scalars)")
     return 0

@@ -17,6 +17,7 @@ Scalars are read with TensorBoard's own ``EventAccumulator`` and a ``size_guidan
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +62,9 @@ class Run:
 
     @property
     def name(self) -> str:
+        """The run's folder name; with its parent for Lightning's numbered ones (``2bw-adamw/version_0``)."""
+        if re.fullmatch(r"version_\d+", self.path.name) and self.path.parent.name:
+            return f"{self.path.parent.name}/{self.path.name}"
         return self.path.name
 
     @property

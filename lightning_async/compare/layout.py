@@ -1,61 +1,67 @@
-"""TensorBoard *Custom Scalars* view of a comparison.
+"""TensorBoard view of a comparison: a logdir whose runs are the compared series.
 
-TensorBoard's custom-scalar charts select series by tag (regex), not by run, so the overlay of
-sync / async / async+EF / async+<correction> per optimizer cannot be expressed on the original
-runs (they all log ``val/loss``). Instead the output dir gets one event file (``<output>/tensorboard/``) that holds
+``<output>/tensorboard/`` holds one TensorBoard *run* (a subdirectory) per series: ``sync``, ``async``,
+``async+EF``, ``async+<correction>`` (with ``-s<seed>`` when a category has several seeds). Each holds a copy of
+the compared runs' whole ``val/loss`` and ``train/loss`` curves under ``<group>/val_loss`` and
+``<group>/train_loss`` (a group is a row of the table, e.g. ``adamw``), and the top directory holds a
+custom-scalars layout (``tensorboard.plugins.custom_scalar.layout_pb2``) with one category per optimizer and,
+per group, a multiline chart of each tag. Only the compared runs are there (the single-device quick start only
+when it is part of the comparison).
 
-* a copy of each run's ``val/loss`` under the tag ``<group>/val_loss/<class>/<run name>``, and
-* a custom-scalars layout (``tensorboard.plugins.custom_scalar.layout_pb2``) with one category
-  per optimizer and a multiline chart per row group matching those tags (and a category that
-  overlays the original ``val/loss`` / ``train/loss`` tags of every run in the logdir).
-
-``tensorboard --logdir <output>/tensorboard`` then shows the same overlay as the PNGs.
+``tensorboard --logdir <output>/tensorboard`` then shows, in *Scalars* / *Time Series* (cards by tag, series by
+run) and in *Custom Scalars*, the same overlays as the PNGs, series named by category.
 """
 
 from __future__ import annotations
 
 import re
+import shutil
 import time
 from pathlib import Path
 
-from lightning_async.compare.events import VAL_LOSS
+from lightning_async.compare.events import EVENT_PREFIX, TRAIN_LOSS, VAL_LOSS
 from lightning_async.compare.rows import Row
+
+#: the tags a comparison copies, and the name each gets under its group
+COPIED_TAGS = {VAL_LOSS: "val_loss", TRAIN_LOSS: "train_loss"}
 
 
 def _tag_part(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.=+-]+", "_", text).strip("_") or "x"
 
 
-def overlay_tag(row: Row, category: str, run_name: str) -> str:
-    return f"{_tag_part(row.label)}/val_loss/{_tag_part(category)}/{_tag_part(run_name)}"
+def overlay_tag(row: Row, tag: str) -> str:
+    """The tag a group's copy of ``tag`` gets: ``adamw/val_loss``."""
+    return f"{_tag_part(row.label)}/{COPIED_TAGS[tag]}"
+
+
+def series_runs(row: Row) -> list[tuple[str, object]]:
+    """``(series name, run)`` for every run of ``row``: the category, ``-s<seed>`` (or ``-<n>``) after it when the
+    category has several runs."""
+    named = []
+    for category in row.categories:
+        runs = sorted(row.runs.get(category, []), key=lambda r: (r.identity.seed is None, r.identity.seed or 0))
+        for i, run in enumerate(runs):
+            suffix = "" if len(runs) == 1 else f"-s{run.identity.seed}" if run.identity.seed is not None else f"-{i}"
+            named.append((_tag_part(category + suffix), run))
+    return named
 
 
 def build_layout(rows: list[Row]):
-    """The ``Layout`` proto: a category per optimizer, a multiline chart per row group."""
+    """The ``Layout`` proto: a category per optimizer, a multiline chart per group and copied tag."""
     from tensorboard.plugins.custom_scalar import layout_pb2
 
     categories = []
     for optimizer in dict.fromkeys(r.optimizer for r in rows):
         charts = []
         for row in (r for r in rows if r.optimizer == optimizer):
-            prefix = re.escape(_tag_part(row.label))
             shown = " vs ".join(c for c in row.categories if row.runs.get(c))
-            charts.append(
-                layout_pb2.Chart(
-                    title=f"{row.label}: val/loss, {shown}",
-                    multiline=layout_pb2.MultilineChartContent(tag=[rf"^{prefix}/val_loss/"]),
-                )
-            )
+            for tag in COPIED_TAGS:
+                charts.append(layout_pb2.Chart(
+                    title=f"{row.label}: {tag}, {shown}",
+                    multiline=layout_pb2.MultilineChartContent(tag=[rf"^{re.escape(overlay_tag(row, tag))}$"]),
+                ))
         categories.append(layout_pb2.Category(title=f"compare: {optimizer}", chart=charts))
-    categories.append(
-        layout_pb2.Category(
-            title="compare: original tags (all runs in the logdir)",
-            chart=[
-                layout_pb2.Chart(title="val/loss", multiline=layout_pb2.MultilineChartContent(tag=[r"^val/loss$"])),
-                layout_pb2.Chart(title="train/loss", multiline=layout_pb2.MultilineChartContent(tag=[r"^train/loss$"])),
-            ],
-        )
-    )
     return layout_pb2.Layout(category=categories)
 
 
@@ -101,24 +107,45 @@ def read_layout(directory: Path):
     return layout_pb2.Layout.FromString(raw)
 
 
-def write_layout(rows: list[Row], output: Path, tag: str = VAL_LOSS) -> Path:
-    """Write the overlay scalars and the layout as one event file under ``output``; return its dir."""
-    from tensorboard.compat.proto import event_pb2, summary_pb2
+def _clear(output: Path) -> None:
+    """Remove the event files (and then empty series folders) an earlier report wrote: rerunning replaces them."""
+    for old in [*output.glob(f"{EVENT_PREFIX}*"), *output.glob(f"*/{EVENT_PREFIX}*")]:
+        old.unlink()
+    for folder in output.iterdir():
+        if folder.is_dir() and not any(folder.iterdir()):
+            shutil.rmtree(folder)
+
+
+def _write_events(directory: Path, events) -> None:
     from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-    output.mkdir(parents=True, exist_ok=True)
-    for old in output.glob("events.out.tfevents.*"):  # one layout per report: rerunning replaces it
-        old.unlink()
-    writer = EventFileWriter(str(output))
-    wall = time.time()
-    writer.add_event(event_pb2.Event(wall_time=wall, step=0, summary=layout_summary(build_layout(rows))))
-    for row in rows:
-        for category in row.categories:
-            for run in row.runs.get(category, []):
-                name = overlay_tag(row, category, run.name)
-                for step, value in run.series(tag):
-                    summary = summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag=name, simple_value=value)])
-                    writer.add_event(event_pb2.Event(wall_time=wall, step=int(step), summary=summary))
+    directory.mkdir(parents=True, exist_ok=True)
+    writer = EventFileWriter(str(directory))
+    for event in events:
+        writer.add_event(event)
     writer.flush()
     writer.close()
+
+
+def write_layout(rows: list[Row], output: Path) -> Path:
+    """Write the layout (``output``) and one series folder per category and seed (``output/<series>``) holding the
+    groups' copies of :data:`COPIED_TAGS`; return ``output``."""
+    from tensorboard.compat.proto import event_pb2, summary_pb2
+
+    output.mkdir(parents=True, exist_ok=True)
+    _clear(output)
+    wall = time.time()
+    _write_events(output, [event_pb2.Event(wall_time=wall, step=0, summary=layout_summary(build_layout(rows)))])
+    series: dict[str, list] = {}
+    for row in rows:
+        for name, run in series_runs(row):
+            for tag in COPIED_TAGS:
+                copied = overlay_tag(row, tag)
+                series.setdefault(name, []).extend(
+                    event_pb2.Event(wall_time=wall, step=int(step), summary=summary_pb2.Summary(
+                        value=[summary_pb2.Summary.Value(tag=copied, simple_value=value)]))
+                    for step, value in run.series(tag)
+                )
+    for name, events in series.items():
+        _write_events(output / name, events)
     return output

@@ -1,10 +1,11 @@
-"""PNG curves: validation loss vs step, sync / async / async+EF (and each other correction) overlaid.
+"""PNG curves: validation and training loss vs step, sync / async / async+EF (and each other correction) overlaid.
 
 One colour per category (sync blue, async red, async+EF green, the other corrections their own), one
 line style per seed. Diverged runs are drawn (up to their last finite point) with "(DIVERGED)" in the legend.
 
-Uses matplotlib's Agg backend (no display needed). Writes one PNG per optimizer
-(``val_loss_<optimizer>.png``) and a grid of all of them (``val_loss_grid.png``).
+Uses matplotlib's Agg backend (no display needed). Writes, per tag, one PNG per optimizer
+(``val_loss_<optimizer>.png``, ``train_loss_<optimizer>.png``) and a grid of all of them (``val_loss_grid.png``).
+A tag with one point per run (a shortened run validates once) is drawn as dots; the training loss then shows the curves.
 """
 
 from __future__ import annotations

@@ -274,8 +274,9 @@ def write_markdown(
         lines += [
             "## TensorBoard",
             "",
-            f"`tensorboard --logdir {layout_dir}` shows the same overlays under *Custom Scalars* "
-            "(one section per optimizer).",
+            f"`tensorboard --logdir {layout_dir}` shows the same curves: its runs are the compared series (sync, "
+            "async, async+EF, ...), with `<group>/val_loss` and `<group>/train_loss` under *Scalars* and one section "
+            "per optimizer under *Custom Scalars*.",
             "",
         ]
     lines += ["## Runs", "", markdown_table(RUN_HEADERS, run_list_cells(runs)), ""]

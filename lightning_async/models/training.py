@@ -7,13 +7,21 @@ the models): the arrows point one way, ``lm -> models``.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torchmetrics import MeanMetric
 
 from lightning_async.models.objective import next_token_loss, split_next_token
 from lightning_async.optim import build_optimizer, check_optimizer_settings
 from lightning_async.optim.schedules import warmup_cosine
+
+# ``val/ppl`` and ``test/ppl`` come from the loss metric's compute(), which reduces across ranks itself: Lightning's
+# advice to log them with sync_dist=True (given on every distributed run) does not apply
+warnings.filterwarnings("ignore", message=r"It is recommended to use `self\.log\('(val|test)/ppl'",
+                        category=PossibleUserWarning)
 
 
 def _reset_outside_inference(metric: MeanMetric) -> None:
@@ -124,7 +132,7 @@ class CausalLMTraining(LightningModule):
         metric = self.val_loss if split == "val" else self.test_loss
         if metric.update_called:
             mean = metric.compute()
-            self.log(f"{split}/ppl", torch.exp(mean))
+            self.log(f"{split}/ppl", torch.exp(mean))  # of the metric's compute(): reduced already (no sync_dist)
             if split == "val" and self.logger is not None and self.tokens_seen:
                 self.logger.log_metrics({"val/loss_by_tokens": float(mean)}, step=self.tokens_seen)
 
