@@ -72,6 +72,8 @@ def test_advice_names_the_best_measured_profile_and_correction() -> None:
     text = depth_advice(16, ROWS)
     assert "PipeDream's profile at p=16 is not measured (measured p: 8)" in text
     assert depth_advice(1, ROWS).startswith("p=1: one stage")
+    alone = depth_advice(4, ROWS[:1])
+    assert "the only measurement: 2bw + no correction" in alone and "runner-up" not in alone
     assert "no muon measurement" in depth_advice(8, ROWS, optimizer="muon")
     with pytest.raises(ValueError, match="stages must be a positive number"):
         depth_advice(0, ROWS)
@@ -82,3 +84,16 @@ def test_shipped_findings_load_and_plan_prints_them(capsys) -> None:
     assert findings and all(isinstance(r, DepthRow) and r.seeds >= 1 for r in findings)
     assert plan_main(["--compare", "--forward-ms", "10", "--stages", "4", "--microbatches", "4"]) == 0
     assert "convergence under staleness (measured only):\np=4 (adamw" in capsys.readouterr().out
+
+
+def test_probe_prints_the_depth_advice(tmp_path, capsys) -> None:
+    from lightning_async.tools.probe import probe_main
+    from lightning_async.tools.study.runner import synthetic_runner
+
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("model: {optimizer: adamw}\n")
+    args = ["--config", str(recipe), "--steps", "8", "--output", str(tmp_path / "p")]
+    assert probe_main(args + ["--stages", "8"], runner=synthetic_runner) == 0
+    assert "\nDepth: p=8 (adamw, docs/results.md, Depth): " in capsys.readouterr().out
+    assert probe_main(args + ["--stages", "0"], runner=synthetic_runner) == 2
+    assert "--stages must be a positive number of pipeline stages, got 0" in capsys.readouterr().err

@@ -48,12 +48,15 @@ def depth_advice(stages: int, findings: Sequence[DepthRow] | None = None, optimi
     if not candidates:
         return f"p={stages}: the depth study has no {optimizer} measurement ({SOURCE})."
     best, *others = sorted(candidates, key=lambda r: r.gap)
-    text = f"p={stages} ({optimizer}, {SOURCE}): lowest measured gap: {_describe(best)}"
+    lead = "lowest measured gap" if others else "the only measurement"
+    text = f"p={stages} ({optimizer}, {SOURCE}): {lead}: {_describe(best)}"
     if others:
         text += f"; runner-up {_describe(others[0])}"
     if f"pipedream-{stages}" not in {r.profile for r in rows}:
         text += f". PipeDream's profile at p={stages} is not measured (measured p: {', '.join(map(str, measured)) or 'none'})"
-    significant = best.gap_high is not None and others and others[0].gap_low is not None and best.gap_high < others[0].gap_low
+    if not others:
+        return text + "."
+    significant = best.gap_high is not None and others[0].gap_low is not None and best.gap_high < others[0].gap_low
     text += ". " + ("The two intervals do not overlap." if significant else
                     "Not established: the intervals overlap or are missing; more seeds would settle it.")
     return text
