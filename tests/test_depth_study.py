@@ -97,3 +97,11 @@ def test_probe_prints_the_depth_advice(tmp_path, capsys) -> None:
     assert "\nDepth: p=8 (adamw, docs/results.md, Depth): " in capsys.readouterr().out
     assert probe_main(args + ["--stages", "0"], runner=synthetic_runner) == 2
     assert "--stages must be a positive number of pipeline stages, got 0" in capsys.readouterr().err
+
+
+def test_a_run_worse_than_sync_at_its_first_validation_gives_a_lower_bound(tmp_path, capsys) -> None:
+    fake_study(tmp_path, "2bw", "sync", {0: 2.4})
+    fake_study(tmp_path, "pipedream-32", "delayed", {0: 3.2})  # above sync's 3.0 at step 200
+    (row,) = depth_rows(collect(tmp_path)[0])
+    assert row.slowdown_is_bound and row.slowdown == pytest.approx(3.0)
+    assert main([str(tmp_path)]) == 0 and "| >= 3.00x |" in capsys.readouterr().out

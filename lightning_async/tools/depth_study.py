@@ -1,6 +1,7 @@
 """The depth study's table (docs/results.md, "Depth"): per delay profile and correction, the final validation
 loss gap to the sync run, the share of the plain delay's gap a correction recovers, and the paper's slowdown
-measure (how many steps the sync run needed to reach each run's final loss), seeds paired with the sync run::
+measure (how many steps the sync run needed to reach each run's final loss; ``>=`` when the sync run was already
+below it at its first validation), seeds paired with the sync run::
 
     python -m lightning_async.tools.depth_study studies --json depth.json
 
@@ -48,6 +49,7 @@ class DepthRow:
     gap_high: float | None
     recovered: float | None  # 1 - gap / the plain delay's gap, means over the seeds both have (None: no plain run)
     slowdown: float | None  # mean of final step / the step the sync run reached this run's final loss
+    slowdown_is_bound: bool = False  # some seed's sync run was below it at its first validation: a lower bound
 
 
 def collect(root: Path) -> tuple[dict[tuple[str, str, str], dict[int, Curve]], int]:
@@ -107,7 +109,7 @@ def depth_rows(runs: dict[tuple[str, str, str], dict[int, Curve]]) -> list[Depth
         slowdowns = [by_seed[s][-1][0] / r if r else math.inf for s, r in zip(seeds, reached)]
         rows.append(DepthRow(optimizer, profile, CORRECTIONS[mode], len(seeds), statistics.fmean(gaps),
                              interval.low if interval else None, interval.high if interval else None, recovered,
-                             _mean(slowdowns)))
+                             _mean(slowdowns), any(r == sync[s][0][0] for s, r in zip(seeds, reached))))
     return rows
 
 
@@ -124,7 +126,8 @@ def format_rows(rows: list[DepthRow]) -> str:
     for r in rows:
         ci = f" ({r.gap_low:+.4f} to {r.gap_high:+.4f})" if r.gap_low is not None else " (one seed: no interval)"
         recovered = "" if r.recovered is None else f"{100 * r.recovered:.0f}%"
-        slowdown = "" if r.slowdown is None else ("sync never got there" if math.isinf(r.slowdown) else f"{r.slowdown:.2f}x")
+        slowdown = "" if r.slowdown is None else ("sync never got there" if math.isinf(r.slowdown) else
+                                                  f"{'>= ' if r.slowdown_is_bound else ''}{r.slowdown:.2f}x")
         lines.append(f"| {r.optimizer} | {r.profile} | {r.correction} | {r.seeds} | {r.gap:+.4f}{ci} | {recovered} | {slowdown} |")
     return "\n".join(lines)
 
