@@ -5,7 +5,7 @@ The reference shares no code with ``lightning_async.optim``: it keeps the list o
 predicted weights), and gets the bare optimizer's update ``u`` by stepping a separate model at the newest
 weights. Then it applies each correction's formula (docs/delay.md) itself:
 
-* ``ef``:                ``x <- x - u - lam (u - u_prev)``
+* ``ef``:                ``x <- x - u - lam (u - u_(t-k))`` for a parameter ``k`` steps stale (``u_prev`` at ``k = 1``)
 * ``adaptive-ef``:       the same with ``lam = clamp(c / s, 0, cap)``, ``c``, ``s`` running means of
                          ``<d_t, d_(t-1)>`` and ``|d_(t-1)|^2`` per tensor, ``d_t = u_t - u_(t-1)``
 * ``nesterov``:          ``v <- b v + (1 - b) u``, ``x <- x - u - g (v - v_prev)``
@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from lightning_async.optim import DelayedOptimizer, build_correction
-from lightning_async.optim.corrections import CORRECTIONS
+from lightning_async.optim.corrections import CORRECTIONS, UpdateCorrection
 from lightning_async.pipeline.profiles import parameter_delays, unit_delays
 from workload import BATCHES, STEPS, lr_lambda, loss_of, make_model, make_optimizer, max_diff, snapshot
 
@@ -51,7 +51,7 @@ def reference(name: str, method: str | None, delays: dict[str, int], steps: int 
     evaluator_params, stepper_params = dict(evaluator.named_parameters()), dict(stepper.named_parameters())
     history = [snapshot(stepper)]
     evaluated = []
-    state: dict[str, dict] = {key: {} for key in ("u", "d", "c", "s", "lam", "v", "ms")}
+    state: dict[str, dict] = {key: {} for key in ("u", "d", "c", "s", "lam", "v", "ms", "applied")}
     strength = options.get("strength", 0.0)
 
     for t, batch in enumerate(BATCHES[:steps]):
@@ -87,8 +87,10 @@ def reference(name: str, method: str | None, delays: dict[str, int], steps: int 
                 n = by_param[p]
                 u = newest[n] - p
                 extra = torch.zeros_like(u)
-                if delays[n] and method == "ef":
-                    extra = strength * (u - state["u"].get(n, torch.zeros_like(u)))
+                applied = state["applied"].setdefault(n, [])
+                if delays[n] and method == "ef":  # the k-step form: the update of k steps ago (zero before one)
+                    k = 1 if options.get("k_step") is False else delays[n]
+                    extra = strength * (u - (applied[-k] if len(applied) >= k else torch.zeros_like(u)))
                 elif delays[n] and method == "nesterov":
                     b = options["momentum"]
                     v_prev = state["v"].get(n, torch.zeros_like(u))
@@ -98,6 +100,7 @@ def reference(name: str, method: str | None, delays: dict[str, int], steps: int 
                 elif delays[n] and method == "adaptive-ef":
                     extra = adaptive_step(state, n, u, strength, options["decay"])
                 state["u"][n] = u
+                applied.append(u)
                 following[n] = p.detach() - extra
                 p.grad = None
         history.append(following)
@@ -271,12 +274,117 @@ def reference_fifo(name: str, delays: dict[str, int]) -> dict[str, torch.Tensor]
     return snapshot(model)
 
 
-def test_weight_prediction_uses_each_parameters_own_delay() -> None:
+@pytest.mark.parametrize("method", ["weight-prediction", "ef"])
+def test_corrections_use_each_parameters_own_delay(method: str) -> None:
+    """Weight prediction extrapolates over each unit's own delay; EF takes its k-step form (``u(t-k)``)."""
     delays = pipedream_delays(4)
-    history, evaluated = reference("adamw", "weight-prediction", delays, strength=1.0)
-    model, wrapped, shown = library("adamw", "weight-prediction", delays=delays, strength=1.0)
+    history, evaluated = reference("adamw", method, delays, strength=1.0)
+    model, wrapped, shown = library("adamw", method, delays=delays, strength=1.0)
     assert max_diff(newest_by_name(model, wrapped), history[-1]) <= TOL
     assert all(max_diff(shown[t], evaluated[t]) <= TOL for t in range(STEPS))
+    if method == "ef":  # the stalest unit (the embedding, 3 steps) keeps a ring of its last 3 updates
+        assert wrapped.correction.update_history.tensors[dict(model.named_parameters())["embed.weight"]].shape[0] == 3
+
+
+# ---- Error Feedback for k-step delays -------------------------------------------------------------
+class FormerErrorFeedback(UpdateCorrection):
+    """The one-step EF as it was before the k-step form, ``x <- x - u - lam (u - u_prev)`` for every delayed
+    parameter, in the same floating-point operations: the bit-for-bit oracle of the k = 1 case."""
+
+    method = "former-ef"
+
+    def __init__(self, strength: float) -> None:
+        super().__init__(strength)
+        self.previous = {}
+
+    def _correct_chunk(self, params, updates) -> None:
+        previous = [self.previous.get(p, torch.zeros_like(p)) for p in params]
+        torch._foreach_sub_(params, torch._foreach_sub(updates, previous), alpha=self.strength)
+        self.previous.update(zip(params, updates))
+
+
+def run_with(correction, delays, steps: int = STEPS) -> dict[str, torch.Tensor]:
+    model = make_model()
+    named = dict(model.named_parameters())
+    wrapped = DelayedOptimizer(make_optimizer("adamw", model), delay=0, pairing="2bw",
+                               parameter_delays={named[n]: k for n, k in delays.items()}, correction=correction)
+    for batch in BATCHES[:steps]:
+        loss_of(model, batch).backward()
+        wrapped.step()
+        wrapped.zero_grad()
+    return newest_by_name(model, wrapped)
+
+
+@pytest.mark.parametrize("profile", ["uniform-1", "pipedream-4"])
+def test_one_step_error_feedback_is_bit_for_bit_the_former_rule(profile: str) -> None:
+    """k = 1 (2BW's delay) takes the former code path exactly; ``k_step=False`` is the former rule under any
+    profile; and under PipeDream's profile the k-step form really differs from it."""
+    delays = uniform(1) if profile == "uniform-1" else pipedream_delays(4)
+    former = run_with(FormerErrorFeedback(0.8), delays)
+    rule = build_correction("ef", strength=0.8, k_step=profile == "uniform-1")
+    assert all(torch.equal(former[n], t) for n, t in run_with(rule, delays).items())
+    if profile == "pipedream-4":
+        assert max_diff(run_with(build_correction("ef", strength=0.8), delays), former) > 1e-5
+
+
+def test_k_step_error_feedback_resumes_exactly() -> None:
+    delays = pipedream_delays(4)
+    uninterrupted = run_with(build_correction("ef"), delays)
+    model = make_model()
+    named = dict(model.named_parameters())
+    per_param = {named[n]: k for n, k in delays.items()}
+
+    def wrap(m):
+        return DelayedOptimizer(make_optimizer("adamw", m), delay=0, pairing="2bw", parameter_delays=per_param,
+                                correction=build_correction("ef"))
+
+    wrapped = wrap(model)
+    for t, batch in enumerate(BATCHES):
+        if t == 7:  # round-trip model and optimizer through a checkpoint into fresh objects' state
+            state = {"model": model.state_dict(), "optimizer": wrapped.state_dict()}
+            buffer = io.BytesIO()
+            torch.save(state, buffer)
+            buffer.seek(0)
+            state = torch.load(buffer, weights_only=True)
+            model.load_state_dict(state["model"])
+            wrapped = wrap(model)
+            wrapped.load_state_dict(state["optimizer"])
+        loss_of(model, batch).backward()
+        wrapped.step()
+        wrapped.zero_grad()
+    assert all(torch.equal(uninterrupted[n], t) for n, t in newest_by_name(model, wrapped).items())
+
+
+def quadratic_tracking_error(delays: tuple[int, int], correction=None, steps: int = 300, lr: float = 0.02) -> float:
+    """SGD on ``f(x) = sum_i h_i x_i^2 / 2`` (curvatures ``h`` in [0.2, 2]) in two parameter groups of their own
+    delays: the mean relative distance, after the first ``2 max(k)`` steps, between the weights each gradient is
+    taken at and the undelayed iterate ``(1 - lr h)^t x0`` of the same step."""
+    g = torch.Generator().manual_seed(0)
+    curvatures = [torch.linspace(0.5, 2.0, 8, dtype=torch.float64), torch.linspace(0.2, 1.0, 8, dtype=torch.float64)]
+    starts = [torch.randn(8, generator=g, dtype=torch.float64) for _ in curvatures]
+    params = [torch.nn.Parameter(x.clone()) for x in starts]
+    wrapped = DelayedOptimizer(torch.optim.SGD(params, lr=lr), delay=0, pairing="2bw",
+                               parameter_delays=dict(zip(params, delays)), correction=correction)
+    errors = []
+    for t in range(steps):
+        undelayed = torch.cat([(1 - lr * h) ** t * x0 for h, x0 in zip(curvatures, starts)])
+        shown = torch.cat([p.detach() for p in params])  # the weights this step's gradient is taken at
+        if t >= 2 * max(delays):
+            errors.append(((shown - undelayed).norm() / undelayed.norm()).item())
+        sum(0.5 * (h * p * p).sum() for h, p in zip(curvatures, params)).backward()
+        wrapped.step()
+        wrapped.zero_grad()
+    return sum(errors) / len(errors)
+
+
+def test_k_step_error_feedback_tracks_the_undelayed_quadratic() -> None:
+    """With per-group delays 2 and 5, the k-step form keeps the gradients' weights on the undelayed trajectory
+    (the plain delay and the one-step rule do not: each would fail the first assertion)."""
+    plain = quadratic_tracking_error((2, 5))
+    one_step = quadratic_tracking_error((2, 5), build_correction("ef", k_step=False))
+    k_step = quadratic_tracking_error((2, 5), build_correction("ef"))
+    assert k_step < 0.25 * min(plain, one_step)
+    assert one_step < plain  # the one-step rule helps a little, the k-step form most
 
 
 # ---- checkpoints, memory, bad input --------------------------------------------------------------

@@ -4,7 +4,7 @@ The reference below shares no code with ``lightning_async.optim.delay`` / ``dela
 ``error_feedback``: it keeps the list of weight snapshots ``x(0), x(1), ...``, evaluates each batch at
 the snapshot the rule says, and obtains the bare optimizer's update ``u`` by stepping a *separate copy*
 of the model and optimizer at the newest weights (``u = before - after``). Then it applies
-``x(t+1) = x(t) - u - lam (u - u_prev)`` itself.
+``x(t+1) = x(t) - u - lam (u - u_(t-k))`` itself (``u_prev`` at ``k = 1``).
 
 Rules (docs/delay.md):
 
@@ -59,7 +59,7 @@ def reference_delayed(
     evaluator_params = dict(evaluator.named_parameters())
     stepper_params = dict(stepper.named_parameters())
     history = [snapshot(stepper)]
-    previous = {n: torch.zeros_like(x) for n, x in history[0].items()}
+    applied = {n: [] for n in history[0]}  # the (extrapolated) updates applied so far, oldest first
     queue: list[dict[str, torch.Tensor]] = []
 
     def gradient(weights: dict[str, torch.Tensor], batch: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -95,9 +95,11 @@ def reference_delayed(
                         n = names[p]
                         u = newest[n] - p  # the bare optimizer's full update at the newest weights
                         extrapolated = u - decay * newest[n]
+                        # EF's k-step form subtracts the update of k = delay steps ago (zero before there is one);
                         # p is x(t) - u; written from p (not x(t) - u) so lam = 0 is exact
-                        following[n] = p.detach() - lam * (extrapolated - previous[n])
-                        previous[n] = extrapolated
+                        earlier = applied[n][-delay] if 0 < delay <= len(applied[n]) else torch.zeros_like(u)
+                        following[n] = p.detach() - lam * (extrapolated - earlier)
+                        applied[n].append(extrapolated)
                     p.grad = None
             history.append(following)
         if scheduler is not None:
@@ -387,10 +389,13 @@ def test_memory_held(pairing: str, delay: int) -> None:
     params = wrapped.params
     n = len(params)
 
-    # Error Feedback: exactly one parameter-sized buffer per parameter, nothing else
-    buffers = wrapped.correction.previous_update.tensors
-    assert len(buffers) == n
-    assert all(buffers[p].shape == p.shape and buffers[p].dtype == p.dtype for p in params)
+    # Error Feedback: exactly `delay` parameter-sized buffers per parameter (one ring of the last `delay`
+    # updates for the k-step form), nothing else
+    correction = wrapped.correction
+    buffers = (correction.previous_update if delay == 1 else correction.update_history).tensors
+    assert len(buffers) == n and len(correction.buffers()) == n * (1 if delay == 1 else 2)
+    assert all(buffers[p].shape == (*([delay] if delay > 1 else []), *p.shape) and buffers[p].dtype == p.dtype
+               for p in params)
     assert len(_storages(buffers.values())) == n
     assert not (_storages(buffers.values()) & _storages(p.data for p in params))
 

@@ -54,6 +54,12 @@ MODEL_CONFIGS: dict[str, SmolLM2Config] = {
     "nano": SmolLM2Config(
         vocab_size=257, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_size=192, max_seq_len=256
     ),
+    # 0.12M parameters like `nano`, but deep and thin: 30 blocks of width 16, so the 32 units (embed, 30 blocks,
+    # head) give one unit per stage at p = 32 for the depth study (recipes/study/evidence/depth-*.yaml); the same
+    # ~20 tokens per parameter in 2400 steps of 16 x 64 tokens.
+    "deep": SmolLM2Config(
+        vocab_size=257, hidden_size=16, num_layers=30, num_heads=2, num_kv_heads=1, ffn_size=24, max_seq_len=256
+    ),
     # 19.0M parameters with the byte vocabulary (22.0M with its 8192): the smallest "real" size for GPU reproduction runs.
     "small": SmolLM2Config(
         vocab_size=8192, hidden_size=384, num_layers=12, num_heads=6, num_kv_heads=2, ffn_size=1024, max_seq_len=1024

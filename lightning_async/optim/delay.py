@@ -150,6 +150,7 @@ class DelayedOptimizer(OptimizerWrapper):
         else:
             validate_delay(self.max_delay, float(correction.enabled), f"The {correction.method!r} correction")
         self.correction = correction
+        correction.set_delays(dict(zip(self.params, self.delays())))
         if start_step < 0:
             raise ValueError(f"start_step must be >= 0, got {start_step}.")
         self.start_step = start_step

@@ -65,7 +65,7 @@ ALLOWED_KWARGS: dict[str, frozenset[str]] = {
     "mars": frozenset({"betas", "gamma", "mars_type", "betas_1d", "eps", "ams_bound", "cautious", "foreach"}),
     "soap": frozenset(
         {"betas", "shampoo_beta", "precondition_frequency", "max_precondition_dim", "merge_dims", "precondition_1d",
-         "correct_bias", "normalize_gradient", "eps"}
+         "correct_bias", "normalize_gradient", "eps", "rotate"}
     ),
     "asyncpp": ASYNCPP_KWARGS,
 }
@@ -191,6 +191,8 @@ def build_optimizer(
         raise ValueError("build_optimizer got no trainable parameters.")
     if name in MUON_FAMILY:
         return _build_muon_family(name, groups, lr, weight_decay, kwargs)
+    if name == "soap" and _rotated_scope(kwargs) == "hidden":
+        return _build_basis_rotation(groups, lr, weight_decay, kwargs)
     decay = [p for _, p in groups["matrix"] + groups["embedding"]]
     no_decay = [p for _, p in groups["no_decay"]]
     param_groups = [
@@ -239,10 +241,37 @@ def _mars(param_groups, lr, weight_decay, kwargs):
     return MARS(param_groups, lr=lr, lr_1d=lr, weight_decay=weight_decay, weight_decouple=True, optimize_1d=False, **options)
 
 
+def _rotated_scope(kwargs: dict) -> str:
+    """SOAP's ``rotate`` option (popped from ``kwargs``): ``"all"`` (every parameter, SOAP's own scope) or
+    ``"hidden"`` (the hidden matrices only, as basis rotation, Jung et al. 2026)."""
+    scope = kwargs.pop("rotate", "all")
+    if scope not in ("all", "hidden"):
+        raise ValueError(f"soap's rotate must be 'all' (SOAP) or 'hidden' (basis rotation: the hidden matrices), got {scope!r}.")
+    return scope
+
+
 def _soap(param_groups, lr, weight_decay, kwargs):
     from pytorch_optimizer import SOAP
 
+    _rotated_scope(kwargs)  # "all": SOAP over every group
     return SOAP(param_groups, lr=lr, weight_decay=weight_decay, **{**SOAP_DEFAULTS, **kwargs})
+
+
+def _build_basis_rotation(groups: dict, lr: float, weight_decay: float, kwargs: dict) -> Optimizer:
+    """Basis rotation's scope (Jung et al. 2026, their code's optimizer setup): Adam in the rotated eigenbasis
+    (SOAP's update) on the hidden matrices; AdamW with the same betas, eps, lr and decay on the embedding, the
+    head and the 1-D parameters, which it leaves unrotated."""
+    matrices = [p for _, p in groups["matrix"]]
+    rest = [("embedding", weight_decay, [p for _, p in groups["embedding"]]), ("no_decay", 0.0, [p for _, p in groups["no_decay"]])]
+    children: list[Optimizer] = []
+    if matrices:
+        group = {"params": matrices, "weight_decay": weight_decay, "name": "soap", "kind": "matrix"}
+        children.append(_soap([group], lr, weight_decay, dict(kwargs)))
+    adamw_groups = [{"params": ps, "weight_decay": wd, "name": f"adamw_{kind}", "kind": kind} for kind, wd, ps in rest if ps]
+    if adamw_groups:
+        betas, eps = kwargs.get("betas", SOAP_DEFAULTS["betas"]), kwargs.get("eps", SOAP_DEFAULTS["eps"])
+        children.append(_adamw(adamw_groups, lr, weight_decay, {"betas": betas, "eps": eps}))
+    return CompositeOptimizer(children)
 
 
 _BUILDERS = {"adamw": _adamw, "adan": _adan, "lion": _lion, "mars": _mars, "soap": _soap, "asyncpp": build_asyncpp}

@@ -41,6 +41,7 @@ from pathlib import Path
 from lightning_async.pipeline.measure import measure_model
 from lightning_async.pipeline.schedules import spec
 from lightning_async.pipeline.timing import memory_model, schedule_memory, simulate
+from lightning_async.tools.depth_advice import depth_advice_lines
 from lightning_async.tools.stage_costs import (
     NOMINAL_DTYPE,
     NOMINAL_MODEL,
@@ -482,6 +483,7 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
             "most loaded stage (weight versions, a gradient buffer, optimizer state, peak in-flight activations); "
             "best sync = fastest synchronous schedule that fits --memory-gib; 2BW x best sync = its time / the faster 2BW's (2bw or 2bw-split)."
         )
+        print("convergence under staleness (measured only):\n" + depth_advice_lines(stages))
     else:
         print(
             "batch = steady per-batch time; bubble = idle fraction of all stages in steady state; "

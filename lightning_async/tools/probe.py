@@ -28,6 +28,7 @@ from lightning_async.compare.ranking import Recommendation, recommend
 from lightning_async.identity import EF, KNOWN_CORRECTIONS
 from lightning_async.optim.corrections import CORRECTIONS, FORWARD
 from lightning_async.recipes_index import RecipeNotFound, resolve_config
+from lightning_async.tools.depth_advice import depth_advice
 from lightning_async.tools.study import Runner, Study, StudyError, find_recipes_dir, parse_set, run_study
 from lightning_async.tools.study.parsing import add_jobs_argument, check_jobs
 
@@ -179,6 +180,9 @@ def build_parser(prog: str = "lightning-async probe") -> argparse.ArgumentParser
     parser.add_argument("--corrections", nargs="+", default=["ef"], metavar="NAME",
                         help=f"corrections to try next to the plain delay: {', '.join(ALL_CORRECTIONS)}, or all "
                         "(default: ef)")
+    parser.add_argument("--stages", type=int, metavar="P",
+                        help="also say which delay profile and correction the depth study supports for P pipeline "
+                        "stages (measured configurations only; docs/results.md, Depth)")
     parser.add_argument("--output", help="where runs and the report go (default probes/<recipe>-<steps>steps)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="CLI override (repeatable)")
     add_jobs_argument(parser)
@@ -243,6 +247,8 @@ def check_single_device(configs: list[str], overrides: list[str]) -> None:
 def probe_study(args: argparse.Namespace) -> Study:
     if args.steps < 1:
         raise StudyError("--steps must be >= 1")
+    if args.stages is not None and args.stages < 1:
+        raise StudyError(f"--stages must be a positive number of pipeline stages, got {args.stages}")
     if args.seeds < 1:
         raise StudyError("--seeds must be >= 1")
     try:
@@ -301,6 +307,8 @@ def probe_main(argv: list[str] | None = None, *, runner: Runner | None = None) -
     for optimizer in dict.fromkeys(row.optimizer for row in report.rows):
         prefix = f"{optimizer}: " if len(recommendations) > 1 else ""
         lines.append(prefix + recommendation(recommendations.get(optimizer)))
+    if args.stages is not None:
+        lines.append("Depth: " + depth_advice(args.stages))
     text = "\n".join(lines)
     print("\n" + text)
     (study.compare_dir / "verdict.md").write_text("# Probe verdict\n\n" + text.replace("\n", "\n\n") + "\n")

@@ -120,6 +120,10 @@ class Correction:
         the version before it, ``previous`` (``delay`` steps behind the newest)."""
         return forward
 
+    def set_delays(self, delays) -> None:
+        """Learn each parameter's delay in steps (``{parameter: k}``); corrections whose formula depends on ``k``
+        (Error Feedback's k-step form) override this. Without a call every parameter is one step stale."""
+
     # ---- accounting --------------------------------------------------------------------------------
     def statistics(self) -> dict[str, float]:
         """Scalars worth logging (e.g. the strength an adaptive rule chose), by short name."""

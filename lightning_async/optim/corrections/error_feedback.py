@@ -5,6 +5,7 @@ All three see the optimizer's full update ``u`` (everything its step changed, de
 included unless ``extrapolate_weight_decay=False``) and add to the displacement it applied:
 
 * ``ef``           ``x <- x - u - lam (u - u_prev)``; ``lam = 1`` is the paper's ``x(t+1) = x(t) - 2u(t-1) + u(t-2)``.
+                   A parameter ``k`` steps stale gets the k-step form ``x <- x - u - lam (u - u_(t-k))`` (docs/delay.md).
 * ``adaptive-ef``  the same with ``lam`` chosen per tensor from the update sequence itself (our rule, below).
 * ``nesterov``     ``v <- beta v + (1 - beta) u``; ``x <- x - u - gamma (v - v_prev)``: the weights are kept
                    ``gamma v`` ahead of the plain trajectory, a look-ahead along the smoothed update.
@@ -60,18 +61,65 @@ class UpdateCorrection(Correction):
 
 
 class ErrorFeedbackCorrection(UpdateCorrection):
-    """``x <- x - u - strength (u - u_prev)``: one buffer the size of the parameters (``u_prev``, zero at first)."""
+    """``x <- x - u - strength (u - u_(t-k))`` for a parameter ``k`` steps stale: the weights are kept the sum of
+    the last ``k`` updates ahead of the plain trajectory, so a gradient taken now lands where the weights will
+    be (the derivation: docs/delay.md, "Error Feedback for k-step delays").
+
+    ``k`` is each parameter's delay (:meth:`set_delays`; 1 unless set, as under 2BW). ``k = 1`` is the paper's
+    EF with one buffer (``u_prev``, zero at first); ``k > 1`` keeps the last ``k`` updates; a parameter with
+    ``k = 0`` (a current stage) is left alone. ``k_step=False`` applies the one-step rule to every parameter
+    whatever its delay (the baseline the k-step form is measured against).
+    """
 
     method = "ef"
 
-    def __init__(self, strength: float = 1.0, extrapolate_weight_decay: bool = True) -> None:
+    def __init__(self, strength: float = 1.0, extrapolate_weight_decay: bool = True, k_step: bool = True) -> None:
         super().__init__(strength, extrapolate_weight_decay)
-        self.previous_update = ParameterBuffers()
+        self.k_step = bool(k_step)
+        self.previous_update = ParameterBuffers()  # k = 1: u_(t-1)
+        self.update_history = ParameterBuffers()  # k > 1: the last k updates, a ring of shape [k, *p.shape]
+        self.updates_seen = ParameterBuffers(scalar=True)  # k > 1: how many updates the ring has taken
+        self.delays: dict[torch.Tensor, int] = {}
+
+    def set_delays(self, delays) -> None:
+        if self.k_step:
+            self.delays = {p: int(k) for p, k in delays.items() if k != 1}
 
     def _correct_chunk(self, params, updates) -> None:
+        one_step = [(p, u) for p, u in zip(params, updates) if self.delays.get(p, 1) == 1]
+        if len(one_step) == len(params):
+            self._correct_one_step(params, updates)
+            return
+        if one_step:
+            self._correct_one_step(*map(list, zip(*one_step)))
+        for p, u in zip(params, updates):
+            k = self.delays.get(p, 1)
+            if k > 1:
+                p.sub_(u - self._push(p, u, k), alpha=self.strength)
+
+    def _correct_one_step(self, params, updates) -> None:
         previous = [self.previous_update.get(p) for p in params]
         torch._foreach_sub_(params, torch._foreach_sub(updates, previous), alpha=self.strength)
         self.previous_update.update(zip(params, updates))
+
+    def _push(self, p: torch.Tensor, u: torch.Tensor, k: int) -> torch.Tensor:
+        """Store ``u`` in ``p``'s ring of the last ``k`` updates; return the one it replaces, ``u_(t-k)``."""
+        ring = self.update_history.tensors.get(p)
+        if ring is None or ring.shape[0] != k:
+            ring = torch.zeros((k, *p.shape), device=p.device, dtype=p.dtype)
+            self.update_history.update([(p, ring)])
+        seen = int(self.updates_seen.get(p))
+        slot = ring[seen % k]
+        oldest = slot.clone()  # zero until k updates were taken: the ring fills like a freshly started pipeline
+        slot.copy_(u)
+        self.updates_seen.update([(p, torch.tensor(float(seen + 1)))])
+        return oldest
+
+    def describe(self) -> dict:
+        return {**super().describe(), "k_step": self.k_step}
+
+    def state_dict(self, params) -> dict:
+        return {**super().state_dict(params), "k_step": self.k_step}
 
 
 class AdaptiveErrorFeedback(UpdateCorrection):
