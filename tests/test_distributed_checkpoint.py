@@ -145,3 +145,15 @@ def test_a_checkpoint_of_another_model_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match=r"no weights for weight, bias: it was saved from another model"):
         distributed.RankRequest(distributed.saved_keys(path), module.state_dict(), None, list(module.parameters()), 1,
                                 distributed.parameter_names(module))
+
+
+def test_each_rank_schedules_its_own_groups_rates():
+    """Scheduler states come from rank 0; another stage's groups (same count, other rates) keep their own."""
+    from lightning_async.pipeline.distributed_checkpoint import _per_group_schedulers
+
+    saved = [{"base_lrs": [3e-3, 0.02], "_last_lr": [1.5e-3, 0.01], "last_epoch": 4, "lr_lambdas": [None, None]}]
+    groups = [{"initial_lr": 0.02, "lr": 0.01}, {"initial_lr": 3e-3, "lr": 1.5e-3}]
+    (state,) = _per_group_schedulers(saved, groups, saved_groups=2)
+    assert state["base_lrs"] == [0.02, 3e-3] and state["_last_lr"] == [0.01, 1.5e-3] and state["last_epoch"] == 4
+    (three,) = _per_group_schedulers(saved, groups + [{"initial_lr": 1.0, "lr": 0.5}], saved_groups=2)
+    assert three["base_lrs"] == [0.02, 3e-3, 1.0] and three["lr_lambdas"] == [None] * 3

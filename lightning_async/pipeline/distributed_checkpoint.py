@@ -97,20 +97,19 @@ def rank_state(checkpoint: dict, optimizer, params: Sequence[torch.Tensor], name
 
 def _per_group_schedulers(schedulers: list[dict], groups: list[dict], saved_groups: int) -> list[dict]:
     """Learning-rate scheduler states for this rank's parameter groups. A scheduler keeps some entries per group
-    (``base_lrs``, ``_last_lr``, ``lr_lambdas``, ...), and the rank that saved had ``saved_groups`` of them; another
-    layout's stage may have another number. Those entries are rebuilt from this rank's groups (their ``initial_lr``
-    and ``lr`` come from the checkpoint, per parameter) or repeated; every other entry is kept."""
+    (``base_lrs``, ``_last_lr``, ``lr_lambdas``, ...) and the states come from rank 0, whose groups may differ in
+    number and rates from this rank's (another stage, another layout). ``base_lrs`` and ``_last_lr`` are rebuilt
+    from this rank's groups (their ``initial_lr`` and ``lr`` come from the checkpoint, per parameter); other
+    per-group entries are repeated when the count differs; every other entry is kept."""
     out = []
     for state in schedulers:
         state = dict(state)
         for key, value in state.items():
-            if not isinstance(value, list) or len(value) != saved_groups or saved_groups == len(groups):
-                continue
-            if key == "base_lrs":
+            if key == "base_lrs":  # always this rank's own: the saving rank's groups may hold other rates
                 state[key] = [g.get("initial_lr", g.get("lr")) for g in groups]
             elif key == "_last_lr":
                 state[key] = [g.get("lr") for g in groups]
-            else:
+            elif isinstance(value, list) and len(value) == saved_groups != len(groups):
                 state[key] = [value[0]] * len(groups)
         out.append(state)
     return out

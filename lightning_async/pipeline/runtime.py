@@ -204,10 +204,11 @@ class PipelineRuntime:
         return OptimizerShards(self.params, g.replica, g.data_parallel_size, g.weight_gather,
                                lambda replica: g.mesh.rank_of(g.stage, replica))
 
-    def _finish_weight_transfers(self) -> None:
-        """Sharded optimizer: the other replicas' new weights are in the slots (a no-op otherwise)."""
+    def _finish_weight_transfers(self, through: int | None = None) -> None:
+        """Sharded optimizer: the other replicas' new weights from the updates of batches ``<= through`` (all:
+        ``None``) are in the slots (a no-op otherwise). See :meth:`OptimizerShards.finish` for where it may wait."""
         if self.shards is not None and self.shards.in_flight:
-            self.shards.finish(lambda works, what: wait_collectives(works, what, self.groups, "data_parallel"))
+            self.shards.finish(lambda works, what: wait_collectives(works, what, self.groups, "data_parallel"), through)
 
     # ---- version bookkeeping -------------------------------------------------------------------
     def _slot(self, batch: int) -> list[torch.Tensor]:
@@ -330,8 +331,7 @@ class PipelineRuntime:
             self._apply_update(batch)
 
     def _apply_update(self, batch: int) -> None:
-        self._finish_weight_transfers()  # the newest weights, whole
-        pending = self._pending.pop(batch)
+        pending = self._pending.pop(batch)  # (sharded: reads and writes only this replica's parameters, all local)
         if pending.launch is not None:
             pending.launch()
         wait_collectives(pending.works, f"the gradient reductions of batch {batch}", self.groups, "pipeline")
@@ -354,7 +354,7 @@ class PipelineRuntime:
             updated=None if self.shards is None else self.shards.owned,
         )
         if self.shards is not None:
-            self.shards.start(out)  # waited for before the slot is next read
+            self.shards.start(batch, out)  # waited for at the start of the call that reads the slot
 
     # ---- calls ------------------------------------------------------------------------------------
     def _microbatches(self, inputs, targets) -> tuple[list, list]:
@@ -474,7 +474,7 @@ class PipelineRuntime:
         self._hyper[b] = scheduled_values(self.optimizer)  # the update of batch b uses batch b's lr, momentum...
         for old in [k for k in self._pending if k <= b - 2]:
             self._apply_update(old)
-        self._finish_weight_transfers()
+        self._finish_weight_transfers(through=b - len(self.slots))  # V(b): 2BW's update b-2, a flush's update b-1
         actions = self.spec.call_actions(self.groups.stage, self.groups.num_stages, self.n_microbatches, b, self.fresh)
         self._run(actions)
         if not self.is_last:

@@ -13,7 +13,9 @@ The new weights travel on a process group of their own (the same ranks as the gr
 apply an update a few actions earlier than another (as soon as its reductions finished), so these broadcasts start
 at moments that differ between replicas, and on their own group their order is still the same everywhere (updates
 are applied in batch order). Under 2BW the weights of ``V(b + 2)`` travel while batch ``b + 1`` computes;
-:meth:`OptimizerShards.finish` waits for them before anything reads the slot.
+:meth:`OptimizerShards.finish` waits for them at the start of call ``b + 2``, before anything reads the slot. An
+update never needs another replica's weights (it reads and writes only the parameters this replica owns), so none
+waits for a transfer.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ def balanced_owners(sizes: Sequence[int], replicas: int) -> list[int]:
 
 @dataclass
 class _Transfer:
+    batch: int  # the update whose new weights travel
     works: list
     #: per broadcast: the flat buffer and the slot tensors it fills (empty for the replica that sent it)
     parts: list[tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=list)
@@ -69,9 +72,10 @@ class OptimizerShards:
         return [i for i, owner in enumerate(self.owners) if owner == replica]
 
     @torch.no_grad()
-    def start(self, slot: Sequence[torch.Tensor]) -> None:
-        """Send this replica's updated parameters of ``slot`` to the others and receive theirs (asynchronously)."""
-        transfer = _Transfer(works=[])
+    def start(self, batch: int, slot: Sequence[torch.Tensor]) -> None:
+        """Send this replica's parameters of ``slot`` updated from batch ``batch`` to the others and receive theirs
+        (asynchronously)."""
+        transfer = _Transfer(batch, works=[])
         for replica in range(self.replicas):
             by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
             for i in self.share(replica):
@@ -95,10 +99,15 @@ class OptimizerShards:
         return [work for transfer in self._transfers for work in transfer.works]
 
     @torch.no_grad()
-    def finish(self, wait) -> None:
-        """Wait for every transfer (``wait(works, what)`` turns a dead peer into a clear error) and write the
-        received weights into their slots."""
-        while self._transfers:
+    def finish(self, wait, through: int | None = None) -> None:
+        """Wait for the transfers of the updates of batches ``<= through`` (all: ``None``), oldest first, and write
+        the received weights into their slots (``wait(works, what)`` turns a dead peer into a clear error).
+
+        Only wait where every replica has started those transfers whatever its timing (the runtime: at the start of
+        a call, after the updates it must apply there, and at the end of a drain): a replica that waited mid-call
+        for a broadcast its peer had not started yet, while the peer waited for a pipeline message, would close a
+        cycle of waits across the two pipelines."""
+        while self._transfers and (through is None or self._transfers[0].batch <= through):
             transfer = self._transfers.pop(0)
             wait(transfer.works, "the new weights of the other replicas (sharded optimizer)")
             for flat, tensors in transfer.parts:

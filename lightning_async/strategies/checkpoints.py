@@ -91,8 +91,10 @@ class PipelineCheckpoints:
             distributed.parameter_names(s.lightning_module),
             owned=runtime.shards.owned if runtime is not None and runtime.shards is not None else None,
             )
-        except ValueError as err:
-            raise ValueError(f"Checkpoint {path}: {err}") from err
+        except Exception as err:  # (every rank reports before any reads: none may raise alone and hang the others)
+            raise ValueError(f"Checkpoint {path}: {err}" if isinstance(err, ValueError) else
+                             f"Cannot read pipeline checkpoint {path} ({type(err).__name__}: {err}): its metadata is "
+                             "damaged or from another model. Resume from another checkpoint.") from err
 
     @property
     def _shares(self) -> int:
