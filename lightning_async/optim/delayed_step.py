@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import contextmanager
+from itertools import repeat
 
 import torch
 from torch.optim import Optimizer
@@ -74,8 +75,9 @@ def delayed_step(
             (:mod:`lightning_async.pipeline.sharding`) fills it with the new weights another replica computed.
     """
     active = correction is not None and correction.enabled
-    mine = [True] * len(params) if updated is None else list(updated)
-    grads = [g if own else None for g, own in zip(grads, mine)]
+    if updated is not None:
+        grads = [g if own else None for g, own in zip(grads, updated)]
+    mine = repeat(True) if updated is None else updated
     delayed = [(p, src, dst) for p, src, dst, own in zip(params, newest, out, mine) if own and dst.data_ptr() != src.data_ptr()]
     if active and correction.level == GRADIENT:
         correction.compensate_(
