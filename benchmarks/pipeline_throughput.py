@@ -32,6 +32,7 @@ memory on the CPU: see ``benchmarks/memory.py`` for the per-term accounting).
 from __future__ import annotations
 
 import argparse
+import cProfile
 import functools
 import json
 import math
@@ -53,6 +54,16 @@ from lightning_async.pipeline.partition import partition_units  # noqa: E402
 from lightning_async.pipeline.rank import build_rank  # noqa: E402
 from lightning_async.pipeline.stage import build_rank_stage  # noqa: E402
 from lightning_async.pipeline.timing import simulate_lists  # noqa: E402
+
+#: cProfile categories, first match wins: (label, test on (file, function name))
+PROFILE_CATEGORIES = (
+    ("compute (stage sleeps)", lambda f, fn: fn == "<built-in method time.sleep>"),
+    ("waits on peers", lambda f, fn: "wait" in fn and ("c10d" in fn or "Work" in fn)),
+    ("posting p2p / collectives", lambda f, fn: "_distributed_c10d" in fn),
+    ("autograd engine", lambda f, fn: "run_backward" in fn or fn == "<built-in method apply>"),
+    ("our runtime (Python)", lambda f, fn: "lightning_async" in f),
+    ("torch (Python)", lambda f, fn: "/torch/" in f),
+)
 
 FUSED = "-fused"  # our runtime without pre-posted receives: the fused send/receive groups NCCL runs
 OURS = ("1f1b", "gpipe", "2bw", "2bw-split", "zbh1", "interleaved", "zbv")
@@ -140,7 +151,18 @@ def _timed_loop(batches, warm: int, step, finish) -> tuple[list[float], float, f
     return marks, start, (peak - base) if peak is not None and base is not None else float("nan")
 
 
-def _run_ours(work: Workload, name: str, batches, warm: int, clock: Clock) -> dict:
+def profile_by_category(prof: cProfile.Profile) -> dict[str, float]:
+    """Seconds of own time (cProfile's ``tottime``) per :data:`PROFILE_CATEGORIES` entry, the rest as ``other``."""
+    import pstats
+
+    out: dict[str, float] = {}
+    for (file, _, fn), (_, _, own, _, _) in pstats.Stats(prof).stats.items():
+        label = next((lab for lab, test in PROFILE_CATEGORIES if test(file, fn)), "other (harness, builtins)")
+        out[label] = out.get(label, 0.0) + own
+    return out
+
+
+def _run_ours(work: Workload, name: str, batches, warm: int, clock: Clock, profile: bool = False) -> dict:
     spec = S.spec(base_schedule(name))
     rank, p = dist.get_rank(), work.p
     units = work.units(spec.virtual_stages(p))
@@ -157,9 +179,13 @@ def _run_ours(work: Workload, name: str, batches, warm: int, clock: Clock) -> di
     rt.transport.exchange = clock.wrap("p2p", rt.transport.exchange)
     rt.collect_loss = clock.wrap("p2p", rt.collect_loss)
 
+    prof = cProfile.Profile() if profile else None
+
     def step(b, batch):
         if b == warm:
             clock.reset()
+            if prof is not None:
+                prof.enable()
         rt.train_batch(batch)
         if b >= spec.loss_lag:
             rt.collect_loss(b - spec.loss_lag)
@@ -168,9 +194,12 @@ def _run_ours(work: Workload, name: str, batches, warm: int, clock: Clock) -> di
         rt.drain()
         if spec.loss_lag:
             rt.collect_loss(len(batches) - 1)
+        if prof is not None:
+            prof.disable()
 
     marks, start, rss = _timed_loop(batches, warm, step, finish)
-    return {"marks": marks, "start": start, "rss_kib": rss, "in_flight_peak": None}
+    return {"marks": marks, "start": start, "rss_kib": rss, "in_flight_peak": None,
+            "profile": None if prof is None else profile_by_category(prof)}
 
 
 def _run_torch(work: Workload, name: str, groups, batches, warm: int, clock: Clock) -> dict:
@@ -222,7 +251,7 @@ def _run_torch(work: Workload, name: str, groups, batches, warm: int, clock: Clo
     return {"marks": marks, "start": start, "rss_kib": rss, "in_flight_peak": None}
 
 
-def run_config(work: Workload, warm: int, n: int, order: tuple[str, ...], rounds: int = 1) -> dict:
+def run_config(work: Workload, warm: int, n: int, order: tuple[str, ...], rounds: int = 1, profile: bool = False) -> dict:
     """Runs inside every rank of a ``work.p``-process gloo group; rank 0's dict carries the results."""
     from lightning_async.pipeline.groups import make_pipeline_groups
 
@@ -238,9 +267,10 @@ def run_config(work: Workload, warm: int, n: int, order: tuple[str, ...], rounds
         for name in order:
             clock = Clock()
             dist.barrier()
-            res = _run_torch(work, name, groups, batches, warm, clock) if name in TORCH else _run_ours(work, name, batches, warm, clock)
+            res = _run_torch(work, name, groups, batches, warm, clock) if name in TORCH else _run_ours(work, name, batches, warm, clock, profile)
             clocks = [None] * p
-            dist.all_gather_object(clocks, {"t": dict(clock.t), "events": clock.events, "rss_kib": res["rss_kib"]})
+            dist.all_gather_object(clocks, {"t": dict(clock.t), "events": clock.events, "rss_kib": res["rss_kib"],
+                                            "profile": res.get("profile")})
             out["runs"][name].append({"marks": res["marks"], "clocks": clocks})
     return out
 
@@ -317,6 +347,16 @@ def predicted_per_batch(spec: S.ScheduleSpec, p: int, m: int, tf, tb, tw, comm: 
     return (trace[0][-1][2] - trace[0][k - 1][2]) / n
 
 
+def compute_actions_per_batch(name: str, p: int, m: int) -> int | None:
+    """Compute actions (F, B, I, W) per batch on the busiest rank, in steady state (torch's: its equivalent's)."""
+    own = base_schedule(name) if name not in TORCH else TORCH[name][3]
+    if own is None:
+        return None
+    spec = S.spec(own)
+    batch = 1 if spec.delayed else 0
+    return max(sum(a.kind != S.UPDATE for a in spec.call_actions(r, p, m, batch, fresh=batch == 0)) for r in range(p))
+
+
 def analyse(label: str, work: Workload, warm: int, n: int, res: dict) -> list[dict]:
     p, m = work.p, work.m
     rows = []
@@ -327,6 +367,11 @@ def analyse(label: str, work: Workload, warm: int, n: int, res: dict) -> list[di
                    batches_per_s=1 / per_batch, per_batch_s=per_batch, all_rounds_per_batch_s=[x for x, _ in per],
                    rss_growth_mib=max(c["rss_kib"] for c in run["clocks"]) / 1024,
                    clocks=[c["t"] for c in run["clocks"]])
+        actions = compute_actions_per_batch(name, p, m)
+        if actions:
+            row["us_per_action"] = 1e6 * per_batch / actions  # at near-zero compute: the runtime's own cost
+        if run["clocks"][0].get("profile") is not None:
+            row["profile_ms_per_batch"] = [{k: 1e3 * v / n for k, v in c["profile"].items()} for c in run["clocks"]]
         base = base_schedule(name)
         own = name if name not in TORCH else base
         if base is not None and own in res["runs"]:
@@ -361,9 +406,9 @@ def analyse(label: str, work: Workload, warm: int, n: int, res: dict) -> list[di
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| config | schedule | batches/s | efficiency | measured / predicted | x torch's equivalent "
+    head = ("| config | schedule | batches/s | us / action | efficiency | measured / predicted | x torch's equivalent "
             "| peak RSS growth MiB | 2BW x best sync |")
-    out = [head, "|" + "---|" * 8]
+    out = [head, "|" + "---|" * 9]
 
     def fmt(x, spec=".3f"):
         return "" if x is None else format(x, spec)
@@ -371,9 +416,21 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         best = f"{r['over_best_sync']:.3f} (vs {r['best_sync']})" if "over_best_sync" in r else ""
         out.append(
-            f"| {r['config']} | {r['schedule']} | {r['batches_per_s']:.3f} | {fmt(r.get('efficiency'))} | "
+            f"| {r['config']} | {r['schedule']} | {r['batches_per_s']:.3f} | {fmt(r.get('us_per_action'), '.0f')} | "
+            f"{fmt(r.get('efficiency'))} | "
             f"{fmt(r.get('measured_over_predicted'))} | {fmt(r.get('ratio_to_torch'))} | {r['rss_growth_mib']:.1f} | {best} |"
         )
+    return "\n".join(out)
+
+
+def profile_table(rows: list[dict]) -> str:
+    """Where each rank's time per batch goes (cProfile's own time by category, ms per batch; ``--profile``)."""
+    labels = [lab for lab, _ in PROFILE_CATEGORIES] + ["other (harness, builtins)"]
+    out = ["| config | schedule | rank | " + " | ".join(labels) + " | total |", "|" + "---|" * (len(labels) + 4)]
+    for r in rows:
+        for rank, prof in enumerate(r.get("profile_ms_per_batch") or []):
+            cells = " | ".join(f"{prof.get(lab, 0.0):.2f}" for lab in labels)
+            out.append(f"| {r['config']} | {r['schedule']} | {rank} | {cells} | {sum(prof.values()):.2f} |")
     return "\n".join(out)
 
 
@@ -422,6 +479,9 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=1, help="interleaved repetitions; the fastest of each is kept")
     ap.add_argument("--json", default=None, help="write all rows here")
     ap.add_argument("--probe", action="store_true", help="only run the 2-rank gloo p2p anatomy probe and exit")
+    ap.add_argument("--profile", action="store_true",
+                    help="cProfile our runtime's timed window on every rank and print where the time goes by category "
+                         "(slows the runtime: compare rates without it)")
     args = ap.parse_args(argv)
     if args.probe:
         res = spawn(2, p2p_probe)
@@ -435,7 +495,7 @@ def main(argv=None) -> None:
         label, work, n = parse_config(text, args)
         order = tuple(s for s in ORDER if s in wanted and runnable(s, work.p, work.m))
         t0 = time.perf_counter()
-        res = spawn(work.p, run_config, work, args.warmup, n, order, args.rounds)[0]
+        res = spawn(work.p, run_config, work, args.warmup, n, order, args.rounds, args.profile)[0]
         new = analyse(label, work, args.warmup, n, res)
         rows += new
         print(f"# {label}: N={n} timed batches; hop {1e6 * res['hop_s']:.0f} us; {time.perf_counter() - t0:.0f}s", flush=True)
@@ -447,6 +507,9 @@ def main(argv=None) -> None:
                   f"rounds ms {' '.join(f'{1e3 * x:.0f}' for x in r['all_rounds_per_batch_s'])}", flush=True)
     print()
     print(table(rows))
+    if args.profile:
+        print("\nWhere the time goes (cProfile own time, ms per batch, the timed window):\n")
+        print(profile_table(rows))
     print(f"\ntotal {time.perf_counter() - started:.0f}s")
     if args.json:
         with open(args.json, "w") as f:

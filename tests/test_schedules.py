@@ -17,12 +17,12 @@ from lightning_async.pipeline.schedules import (
     call_actions,
     drain_actions,
     run_actions,
-    message_order_mismatches,
     spec,
     stream_2bw,
     validate,
     warmup_forwards,
 )
+from lightning_async.pipeline.program import message_order_mismatches
 from lightning_async.pipeline.timing import DeadlockError, simulate_lists
 
 

@@ -8,7 +8,7 @@ Channels: a rank may hold several pieces of the model (virtual stages: the inter
 a message is addressed to a piece and a kind (an activation from the piece before, a gradient from the piece
 after). On gloo each channel has its own tag and messages of different channels between two ranks may be
 posted in any order; NCCL has no tags, so a schedule runs there only if every pair of ranks posts its
-messages in matching order (``schedules.message_order_mismatches``; ZB-V does not, and is refused on NCCL).
+messages in matching order (``program.message_order_mismatches``; ZB-V does not, and is refused on NCCL).
 
 Ordering rule (NCCL-safe): a send that is followed by a receive is posted in one ``batch_isend_irecv`` group
 (forward-send with backward-receive and vice versa, as Megatron does), so both sides always post in matching
@@ -96,7 +96,7 @@ class StageTransport:
     ``"grad"`` from the piece after). ``rank_of_piece(k)`` is the global rank holding piece ``k``; hand-overs
     between two pieces of the same rank never reach the transport. On gloo every channel has its own tag, so a
     schedule may interleave channels between two ranks in any order (ZB-V does); NCCL ignores tags and matches
-    messages between two ranks in posting order (``schedules.message_order_mismatches`` says which schedules keep
+    messages between two ranks in posting order (``program.message_order_mismatches`` says which schedules keep
     that order). ``name`` describes this rank in error messages.
     """
 

@@ -27,19 +27,15 @@ def concat_rows(parts: list):
 def _forward_only(runtime, inputs) -> list:
     """Every non-empty micro-batch of ``inputs`` through this rank's chunks; the last piece's outputs (in order)."""
     outputs = []
-    order = sorted(range(len(runtime.chunks)), key=lambda c: runtime.pieces[c])
     shape = None
     for i, x in enumerate(part for part in split_rows(inputs, runtime.n_microbatches, even=False) if rows(part)):
         if signature(x) != shape:  # every rank of the pipeline holds the batch: all agree where a header comes
             runtime.transport.reset()
             shape = signature(x)
-        for c in order:
-            value = x if runtime.pieces[c] == 0 else runtime._input("act", c, i)
-            y = runtime._forward(c, i, -1, value, x, None, training=False)
-            if runtime.pieces[c] == runtime.last_piece:
+        for step in runtime.forward_program([(c, i) for c in runtime.chunk_order]):
+            y = runtime.run_forward(step, x, None)
+            if y is not None:
                 outputs.append(y)
-            else:
-                runtime._output(y, "act", c, i, None)
     runtime.transport.reset()
     return outputs
 

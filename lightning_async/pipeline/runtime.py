@@ -36,8 +36,9 @@ from lightning_async.pipeline import schedules
 from lightning_async.pipeline.boundary import flatten, rows, signature, split_rows, unflatten
 from lightning_async.pipeline.mesh import PipelineGroups
 from lightning_async.pipeline.p2p import PeerFailure, StageTransport
+from lightning_async.pipeline.program import APPLY_UPDATE, BEGIN_UPDATE, START_REDUCTIONS, Step, lower
 from lightning_async.pipeline.sharding import OptimizerShards
-from lightning_async.pipeline.schedules import BACKWARD, FORWARD, GRADIENT_ACTIONS, INPUT_GRAD, UPDATE, WEIGHT_GRAD, ScheduleSpec
+from lightning_async.pipeline.schedules import FORWARD, INPUT_GRAD, WEIGHT_GRAD, ScheduleSpec
 from lightning_async.pipeline.stage import StageModule
 from lightning_async.pipeline.weight_grad import DeferredWeightGrads, split_linear_backward
 
@@ -169,7 +170,6 @@ class PipelineRuntime:
         self.pieces = [self.spec.piece(g.stage, c, stages) for c in range(self.spec.chunks)]  # each chunk's piece
         self.last_piece = self.spec.virtual_stages(stages) - 1
         self.is_first, self.is_last = 0 in self.pieces, self.last_piece in self.pieces
-        self._local = set(self.pieces)
         last_unit = self.chunks[-1].unit_names[-1] if getattr(self.chunks[-1], "unit_names", None) else None
         self.transport = StageTransport(
             g.p2p, self.device, lambda piece: g.mesh.rank_of(self.spec.holder(piece, stages)[0], g.replica), g.stage_of_rank,
@@ -318,11 +318,6 @@ class PipelineRuntime:
         else:
             launch()
 
-    def _launch_deferred(self) -> None:
-        for pending in self._pending.values():
-            if pending.launch is not None:
-                pending.launch()
-
     def _apply_ready_updates(self) -> None:
         """Apply pending updates whose reductions have finished (frees their gradient buffers early)."""
         for batch in list(self._pending):
@@ -371,91 +366,97 @@ class PipelineRuntime:
             )
         return split_rows(inputs, self.n_microbatches), split_rows(targets, self.n_microbatches)
 
-    def _run(self, actions: Sequence[schedules.Action], training: bool = True) -> None:
+    def _run(self, program: Sequence[Step], training: bool = True) -> None:
         try:
-            self._run_actions(actions, training)
+            self._run_program(program, training)
         except BaseException:
             self.transport.abandon()  # a later drain must report nothing about this call's receive
             raise
 
-    def _run_actions(self, actions: Sequence[schedules.Action], training: bool) -> None:
+    def _run_program(self, program: Sequence[Step], training: bool) -> None:
+        """Dispatch each step of the rank's lowered program (:mod:`~lightning_async.pipeline.program`) on its kind."""
         t = self.transport
-        remote = [self._remote_input(a) for a in actions]  # (kind, piece) an action receives from another rank
-        ahead: list[tuple[str, int] | None] = [None] * len(actions)  # the first such receive after each action
-        for k in range(len(actions) - 2, -1, -1):
-            ahead[k] = remote[k + 1] or ahead[k + 1]
-        for k, action in enumerate(actions):
-            nxt = remote[k + 1] if k + 1 < len(actions) else None  # what the very next action receives (fused on NCCL)
-            self._apply_ready_updates()
-            if action.kind == UPDATE:
-                if ahead[k] is not None:
-                    t.prepost(*ahead[k])
-                self._begin_update(action.batch)
-                if self.spec.flushes:
-                    self._apply_update(action.batch)
+        for step in program:
+            kind = step.kind
+            if step.poll:
+                self._apply_ready_updates()
+            if kind == APPLY_UPDATE:
+                if step.batch in self._pending:
+                    self._apply_update(step.batch)
+                if step.barrier:
+                    self._finish_weight_transfers(through=step.batch)
+                continue
+            if kind == START_REDUCTIONS:
+                pending = self._pending.get(step.batch)
+                if pending is not None and pending.launch is not None:
+                    pending.launch()
+                continue
+            if kind in (BEGIN_UPDATE, WEIGHT_GRAD):
+                if step.prepost is not None:
+                    t.prepost(*step.prepost)
+                if kind == BEGIN_UPDATE:
+                    self._begin_update(step.batch)
                 else:
-                    self._apply_ready_updates()
+                    self._weight_grad(step.chunk, step.microbatch)
                 continue
-            c, mb = action.chunk, action.microbatch
-            if action.kind == WEIGHT_GRAD:
-                if ahead[k] is not None:
-                    t.prepost(*ahead[k])
-                self._weight_grad(c, mb)
-                continue
-            piece = self.pieces[c]
+            c, mb = step.chunk, step.microbatch
             i = mb % self.n_microbatches
-            inputs, targets = self._batch_data[action.batch]
-            if action.kind == FORWARD:
-                x = inputs[i] if piece == 0 else self._input("act", c, mb)
-                preposted = ahead[k] is not None and t.prepost(*ahead[k])
-                y = self._forward(c, mb, action.batch, x, inputs[i], targets[i], training)
-                if piece == self.last_piece:
-                    self._record_loss(action.batch, y)
+            inputs, targets = self._batch_data[step.batch]
+            if kind == FORWARD:
+                x = inputs[i] if step.source is None else self._input(step, "act")
+                preposted = step.prepost is not None and t.prepost(*step.prepost)
+                y = self._forward(c, mb, step.batch, x, inputs[i], targets[i], training)
+                if step.target is None:
+                    self._record_loss(step.batch, y)
                     continue
-                self._output(y, "act", c, mb, None if preposted else nxt)
+                self._output(y, step, None if preposted else step.next_receive)
             else:  # BACKWARD, INPUT_GRAD
-                grad = None if piece == self.last_piece else self._input("grad", c, mb)
-                preposted = ahead[k] is not None and t.prepost(*ahead[k])
-                dx = self._backward(c, mb, grad, split=action.kind == INPUT_GRAD)
-                if piece == 0:
+                grad = None if step.source is None else self._input(step, "grad")
+                preposted = step.prepost is not None and t.prepost(*step.prepost)
+                dx = self._backward(c, mb, grad, split=kind == INPUT_GRAD)
+                if step.target is None:
                     continue
-                self._output(dx, "grad", c, mb, None if preposted else nxt)
+                self._output(dx, step, None if preposted else step.next_receive)
 
-    def _neighbour_chunk(self, chunk: int, kind: str) -> int | None:
-        """This rank's chunk that ``chunk``'s ``kind`` message goes to (act: the piece after; grad: the piece before),
-        or None when that piece lives on another rank."""
-        target = self.pieces[chunk] + (1 if kind == "act" else -1)
-        return self.pieces.index(target) if target in self._local else None
+    def _input(self, step: Step, kind: str):
+        """``step``'s input: received from another rank, or handed over by a chunk of this rank."""
+        if step.remote_input:
+            return self.transport.receive(kind, step.piece)
+        return self._handover.pop((kind, step.piece, step.microbatch))
 
-    def _input(self, kind: str, chunk: int, mb: int):
-        """``chunk``'s input for ``mb``: handed over by a chunk of this rank, or received."""
-        source = self.pieces[chunk] + (-1 if kind == "act" else 1)
-        if source in self._local:
-            return self._handover.pop((kind, chunk, mb))
-        return self.transport.receive(kind, self.pieces[chunk])
-
-    def _output(self, value, kind: str, chunk: int, mb: int, receive: tuple[str, int] | None) -> None:
-        """Hand ``value`` to the neighbouring piece: to a chunk of this rank (as a fresh leaf, like a received one),
-        or send it, together with the next action's receive (``receive``) when that is not pre-posted (the fused
-        send/receive pairs NCCL needs)."""
-        local = self._neighbour_chunk(chunk, kind)
-        if local is None:
-            self.transport.exchange((value, kind, self.pieces[chunk]), receive)
+    def _output(self, value, step: Step, receive: tuple[str, int] | None) -> None:
+        """Hand ``value`` to the neighbouring piece: send it (together with the next step's receive ``receive`` when
+        that is not pre-posted: the fused send/receive pairs NCCL needs), or keep it for a chunk of this rank (as a
+        fresh leaf, like a received one)."""
+        kind, piece = step.target
+        if step.remote_output:
+            self.transport.exchange((value, kind, step.piece), receive)
             return
         if kind == "act":
             leaves, structure = flatten(value)
             value = unflatten([x.detach().requires_grad_(x.requires_grad) for x in leaves], structure)
-        self._handover[kind, local, mb] = value  # (the next action's receive is posted when it asks for it)
+        self._handover[kind, piece, step.microbatch] = value  # (the next step's receive is posted when it asks for it)
 
-    def _remote_input(self, action: schedules.Action | None) -> tuple[str, int] | None:
-        """``(kind, piece)`` if ``action`` receives its input from another rank, else None."""
-        if action is None or action.kind not in (FORWARD, *GRADIENT_ACTIONS):
-            return None
-        piece = self.pieces[action.chunk]
-        if action.kind == FORWARD and piece > 0 and piece - 1 not in self._local:
-            return ("act", piece)
-        if action.kind in GRADIENT_ACTIONS and piece < self.last_piece and piece + 1 not in self._local:
-            return ("grad", piece)
+    def _program(self, actions: Sequence[schedules.Action], **updates) -> tuple[Step, ...]:
+        return lower(self.spec, self.groups.stage, self.groups.num_stages, actions, **updates)
+
+    @property
+    def chunk_order(self) -> list[int]:
+        """This rank's chunks in model order (the order a forward-only pass runs them)."""
+        return sorted(range(len(self.chunks)), key=lambda c: self.pieces[c])
+
+    def forward_program(self, pairs: Sequence[tuple[int, int]]) -> tuple[Step, ...]:
+        """The forward-only program (evaluation, predict) of ``(chunk, micro-batch)`` pairs, in that order."""
+        return self._program([schedules.Action(FORWARD, i, -1, c) for c, i in pairs])
+
+    def run_forward(self, step: Step, x, target):
+        """One forward-only step at the newest weights on ``x`` (the micro-batch; received or handed over unless
+        the step runs the first piece): the last piece's output, else ``None`` once the output is passed on."""
+        value = x if step.source is None else self._input(step, "act")
+        y = self._forward(step.chunk, step.microbatch, -1, value, x, target, training=False)
+        if step.target is None:
+            return y
+        self._output(y, step, None)  # (no pre-posting: a plain forward chain)
         return None
 
     def train_batch(self, batch_data) -> None:
@@ -470,13 +471,11 @@ class PipelineRuntime:
             self.transport.reset()
         self.transport.begin_call()  # frees the sends of two calls ago (gloo never frees them by itself)
         self._batch_data[b] = self._microbatches(inputs, targets)
-        self._launch_deferred()
         self._hyper[b] = scheduled_values(self.optimizer)  # the update of batch b uses batch b's lr, momentum...
-        for old in [k for k in self._pending if k <= b - 2]:
-            self._apply_update(old)
-        self._finish_weight_transfers(through=b - len(self.slots))  # V(b): 2BW's update b-2, a flush's update b-1
         actions = self.spec.call_actions(self.groups.stage, self.groups.num_stages, self.n_microbatches, b, self.fresh)
-        self._run(actions)
+        reads = b - len(self.slots)  # V(b) is written by 2BW's update b-2, a flush's update b-1
+        held = tuple(k for k, pending in sorted(self._pending.items()) if pending.launch is not None)
+        self._run(self._program(actions, start=held, apply_first=(reads,) if reads >= 0 else ()))
         if not self.is_last:
             self._reduce_loss(b, None)  # join the last stage's loss reduction for this batch
         self.fresh = False
@@ -498,10 +497,9 @@ class PipelineRuntime:
 
     def _drain(self) -> None:
         last = self.batches_done - 1
-        self._run(self.spec.drain_actions(self.groups.stage, self.groups.num_stages, self.n_microbatches, last))
-        for b in sorted(self._pending):
-            self._apply_update(b)
-        self._finish_weight_transfers()
+        actions = self.spec.drain_actions(self.groups.stage, self.groups.num_stages, self.n_microbatches, last)
+        held = tuple(k for k, pending in sorted(self._pending.items()) if pending.launch is not None)
+        self._run(self._program(actions, start=held, apply_last=tuple(sorted({*self._pending, last}))))
         self._batch_data.clear()
         self.transport.flush()
         self.fresh = True
@@ -523,19 +521,15 @@ class PipelineRuntime:
                 runs.append([])
             runs[-1].append((i, x, target))
         total, count = torch.zeros((), device=self.device), 0
-        order = sorted(range(len(self.chunks)), key=lambda c: self.pieces[c])
         with torch.no_grad():
             for run in runs:  # every rank holds the batch, so all agree where a new shape (and header) comes
                 self.transport.reset()
-                for c in order:
-                    for i, x, target in run:
-                        value = x if self.pieces[c] == 0 else self._input("act", c, i)
-                        y = self._forward(c, i, -1, value, x, target, training=False)
-                        if self.pieces[c] == self.last_piece:
-                            total += y.float() * rows(target)
-                            count += rows(target)
-                        else:
-                            self._output(y, "act", c, i, None)
+                items = {i: (x, target) for i, x, target in run}
+                for step in self.forward_program([(c, i) for c in self.chunk_order for i in items]):
+                    y = self.run_forward(step, *items[step.microbatch])
+                    if y is not None:
+                        total += y.float() * rows(items[step.microbatch][1])
+                        count += rows(items[step.microbatch][1])
         self.transport.reset()
         # (sum of row losses, rows) over every replica's last stage: the mean over all rows evaluated, exact even
         # when the replicas' batches differ in size

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from lightning_async.pipeline.schedules import (
     BACKWARD, FORWARD, GRADIENT_ACTIONS, INPUT_GRAD, UPDATE, WEIGHT_GRAD, Action, ScheduleSpec, spec,
 )
+from lightning_async.pipeline.program import APPLY_UPDATE, Step, lower
 
 __all__ = [
     "DeadlockError",
@@ -174,32 +175,32 @@ def simulate_lists(
             queued[rank] = True
             pending.append(rank)
 
-    def arrival(piece: int, to: int, kinds: tuple[str, ...], mb: int) -> float | None:
-        """When ``piece``'s forward (or gradient) of ``mb`` reaches the neighbouring piece ``to``."""
-        r, c = holder[piece]
-        finished = next((done[r][k, mb, c] for k in kinds if (k, mb, c) in done[r]), None)
+    def arrival(step: Step) -> float | None:
+        """When the input of ``step`` (lowered: it names its channel and whether it crosses ranks) is there."""
+        kind, piece = step.source
+        other, kinds = (piece - 1, (FORWARD,)) if kind == "act" else (piece + 1, GRADIENT_ACTIONS)
+        r, c = holder[other]
+        finished = next((done[r][k, step.microbatch, c] for k in kinds if (k, step.microbatch, c) in done[r]), None)
         if finished is None:
             return None
-        return finished + (hop[min(piece, to)] if r != holder[to][0] else 0.0)
+        return finished + (hop[min(piece, other)] if step.remote_input else 0.0)
 
+    # the programs the runtime runs, less the steps that take no time of their own (applying an update)
+    todos = [[(step.action, step) for step in lower(s_, r, p, actions[r]) if step.kind != APPLY_UPDATE] for r in range(p)]
     while pending:
         r = pending.popleft()
         queued[r] = False
-        todo = actions[r]
+        todo = todos[r]
         while ptr[r] < len(todo):
-            a = todo[ptr[r]]
+            a, step = todo[ptr[r]]
             ready = 0.0
             if a.kind == UPDATE:
                 duration = tu[r]
             else:
-                if a.kind not in (FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD):
-                    raise ValueError(f"unknown action kind {a.kind!r} in {a!r}")
-                piece = s_.piece(r, a.chunk, p)
+                piece = step.piece
                 duration = _durations(a.kind, tf[piece], tb[piece], tw[piece]) + extra[r]
-                if a.kind == FORWARD and piece > 0:
-                    ready = arrival(piece - 1, piece, (FORWARD,), a.microbatch)
-                elif a.kind in GRADIENT_ACTIONS and piece < pieces - 1:
-                    ready = arrival(piece + 1, piece, GRADIENT_ACTIONS, a.microbatch)
+                if step.source is not None:
+                    ready = arrival(step)
                 elif a.kind in GRADIENT_ACTIONS:
                     ready = done[r].get((FORWARD, a.microbatch, a.chunk))
                 if ready is None:

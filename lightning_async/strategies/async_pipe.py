@@ -34,6 +34,7 @@ from lightning_async.pipeline.mesh import PipelineMesh
 from lightning_async.pipeline.metrics import LossExtras
 from lightning_async.pipeline.partition import partition_units
 from lightning_async.pipeline.predict import predict_batch
+from lightning_async.pipeline.program import message_order_mismatches
 from lightning_async.pipeline.rank import build_rank
 from lightning_async.pipeline.runtime import PipelineRuntime
 from lightning_async.pipeline.stage import RankStage, prune_to_stage
@@ -217,7 +218,7 @@ class AsyncPipelineStrategy(DDPStrategy):
         backend = self._process_group_backend
         if (backend == "nccl" or self.root_device.type == "cuda") and pp > 1:
             lists = [spec.run_actions(r, pp, self.n_microbatches, 1) for r in range(pp)]
-            if schedules.message_order_mismatches(spec, lists, per_channel=False):
+            if message_order_mismatches(spec, lists, per_channel=False):
                 raise ValueError(
                     f"Schedule {spec.name!r} sends messages between two stages in another order than the receiver "
                     "posts them, which NCCL (no tags) cannot match. Use schedule='zbh1' or 'interleaved' on GPUs, or "
