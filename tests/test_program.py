@@ -1,0 +1,54 @@
+"""Tests of the lowering of schedules to per-rank programs (no processes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_async.pipeline.program import APPLY_UPDATE, BEGIN_UPDATE, START_REDUCTIONS, lower
+from lightning_async.pipeline.schedules import SCHEDULES, spec
+
+LAYOUTS = [(2, 4, 2), (3, 6, 3), (4, 8, 2)]
+
+
+def _valid_m(s, p, m):
+    return m if not s.microbatch_multiple_of_stages else p * max(1, m // p)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_program_runs_the_schedules_actions_with_their_channels(schedule):
+    s = spec(schedule)
+    for p, m, nb in LAYOUTS:
+        m = _valid_m(s, p, m)
+        for r in range(p):
+            actions = s.run_actions(r, p, m, nb)
+            program = lower(s, r, p, actions)
+            compute = [x for x in program if x.kind != APPLY_UPDATE]
+            assert [x.action for x in compute] == actions
+            for k, step in enumerate(program):
+                if step.source is not None:  # the neighbour piece's holder decides receive vs hand-over
+                    kind, piece = step.source
+                    other = piece - 1 if kind == "act" else piece + 1
+                    assert step.remote_input == (s.holder(other, p)[0] != r)
+                later = [x.source for x in program[k + 1:] if x.remote_input]
+                if step.kind not in (APPLY_UPDATE, START_REDUCTIONS):
+                    assert step.prepost == (later[0] if later else None)
+                nxt = program[k + 1] if k + 1 < len(program) else None
+                assert step.next_receive == (nxt.source if nxt is not None and nxt.remote_input else None)
+                if step.kind == BEGIN_UPDATE:  # a flush applies at once; 2BW later (poll or the next call)
+                    applied_now = nxt is not None and nxt.kind == APPLY_UPDATE and nxt.batch == step.batch
+                    assert applied_now == s.flushes
+                assert step.poll == (s.delayed and step.kind not in (APPLY_UPDATE, START_REDUCTIONS))
+
+
+def test_the_first_and_last_steps_of_a_call_start_held_reductions_and_apply_updates():
+    s = spec("2bw")
+    program = lower(s, 1, 2, s.call_actions(1, 2, 4, 3, fresh=False), start=(2,), apply_first=(1,), apply_last=(3,))
+    assert [(x.kind, x.batch, x.barrier) for x in program[:2]] == [(START_REDUCTIONS, 2, False), (APPLY_UPDATE, 1, True)]
+    assert (program[-1].kind, program[-1].batch, program[-1].barrier) == (APPLY_UPDATE, 3, True)
+
+
+def test_an_unknown_action_kind_is_refused():
+    from lightning_async.pipeline.schedules import Action
+
+    with pytest.raises(ValueError, match="unknown action kind 'X'"):
+        lower(spec("1f1b"), 0, 2, [Action("X", 0, 0)])
