@@ -7,7 +7,7 @@ Two comparisons per model (default ``tiny``; add ``small`` with ``--models tiny 
   AdamW ``step()`` + ``zero_grad()``.
 * **delayed-ef**: the plain step with the optimizer wrapped in ``DelayedOptimizer(delay=1, error_feedback=1,
   pairing="2bw")``, the one-device simulation of 2BW + Error Feedback (what a delay study runs).
-* **2bw runtime**: a one-process ``PipelineRuntime(schedule="2bw")`` over the same model's ``pipeline_units()``
+* **2bw runtime**: a one-process 2bw runtime (``pipeline.rank.build``) over the same model's ``pipeline_units()``
   (m micro-batches per batch), i.e. every forward goes through ``torch.func.functional_call`` with the tensors
   of weight slot ``b % 2`` substituted into the compiled blocks; one step is ``train_batch``.
 
@@ -38,8 +38,7 @@ from lightning_async.lm import CausalLM
 from lightning_async.models import MODEL_CONFIGS, model_config
 from lightning_async.models.objective import next_token_loss, split_next_token
 from lightning_async.optim import DelayedOptimizer, OPTIMIZER_NAMES, build_optimizer
-from lightning_async.pipeline.runtime import PipelineRuntime
-from lightning_async.pipeline.stage import StageModule
+from lightning_async.pipeline.rank import build as build_rank, plan_rank
 
 
 def sync(device: torch.device) -> None:
@@ -89,11 +88,10 @@ def make_step(path: str, lm: CausalLM, args, autocast):
     """One training step of ``path``: ``plain`` (sync), ``delayed-ef`` (the one-device simulation of 2BW with
     Error Feedback, as ``DelaySimulation(1)`` + ``ErrorFeedback`` run it) or ``2bw`` (the pipeline runtime)."""
     if path == "2bw":
-        stage = StageModule(lm.pipeline_units())
+        plan = plan_rank(list(lm.pipeline_units()), "2bw", args.microbatches)
         # the model's own names (the stage module's are "units.0.weight"...) decide the zoo's grouping
         opt = make_optimizer(args.optimizer, lm.model.named_parameters())
-        runtime = PipelineRuntime(stage, opt, "2bw", args.microbatches, split_next_token, next_token_loss, autocast=autocast)
-        return runtime.train_batch
+        return build_rank(plan, opt, split_next_token, next_token_loss, autocast=autocast).runtime.train_batch
     opt = make_optimizer(args.optimizer, lm.model.named_parameters())
     if path == "delayed-ef":
         opt = DelayedOptimizer(opt, delay=1, error_feedback=1.0, pairing="2bw")

@@ -43,11 +43,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from lightning_async.lm import CausalLM  # noqa: E402
 from lightning_async.models.objective import next_token_loss, split_next_token  # noqa: E402
 from lightning_async.optim import build_optimizer  # noqa: E402
-from lightning_async.pipeline.groups import make_pipeline_groups  # noqa: E402
 from lightning_async.pipeline.local import run_local  # noqa: E402
 from lightning_async.pipeline.partition import partition_units  # noqa: E402
+from lightning_async.pipeline.rank import build as build_rank, plan_rank  # noqa: E402
 from lightning_async.pipeline.runtime import PipelineRuntime  # noqa: E402
-from lightning_async.pipeline.stage import build_rank_stage  # noqa: E402
 
 RECIPES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "recipes", "models")
 RECIPE = {"hf": os.path.join(RECIPES, "hf-llama-tiny.yaml"), "moe": os.path.join(RECIPES, "hf-moe-tiny.yaml")}
@@ -162,12 +161,10 @@ def stage_runtime(kind: str, stages: int, m: int) -> PipelineRuntime:
     if kind == "moe":
         module.moe.loss.one_forward_per_microbatch(m)  # as AsyncPipelineStrategy sets it up
     units = module.pipeline_units()
-    stage = build_rank_stage(units, rank, partition_units(units, stages, SECOND_STAGE_STARTS[kind]))
-    return PipelineRuntime(
-        stage.module, optimizer(stage.module.named_parameters()), "2bw", m, split_next_token, next_token_loss,
-        make_pipeline_groups(rank, stages, stages), tied_parameters=stage.tied, count_tied_in_norm=rank == 0,
-        context_fn=module.pipeline_context,
-    )
+    plan = plan_rank(units, "2bw", m, rank=rank, world_size=stages,
+                     stage_units=partition_units(units, stages, SECOND_STAGE_STARTS[kind]))
+    return build_rank(plan, optimizer(plan.rank_stage.module.named_parameters()), split_next_token, next_token_loss,
+                      context_fn=module.pipeline_context).runtime
 
 
 def pipeline_worker(args_dict: dict) -> dict:

@@ -4,7 +4,7 @@ measured and modelled.
 Two parts, one table each:
 
 * **measured** (default: the ``tiny`` SmolLM2 with 4 blocks, p=2 gloo processes on the CPU, AdamW): one fresh group
-  of processes per configuration (every schedule, ``2bw+ef``, ``2bw+ckpt``), built with ``pipeline.rank.build_rank``
+  of processes per configuration (every schedule, ``2bw+ef``, ``2bw+ckpt``), built with ``pipeline.rank.plan_rank`` and ``build``
   like the strategy. Each rank reads ``PipelineRuntime.memory_report()`` (weight versions, optimizer state, EF
   buffer), measures the bytes one micro-batch of each of its chunks saves for the backward (``saved_tensors_hooks``),
   and tracks at every action the peak of the activations in flight (every micro-batch forwarded and not yet
@@ -22,10 +22,13 @@ the OS at once, so the RSS growth does not resolve activation peaks of a few MiB
 
 * **replicas** (``--data-parallel 1 2 4``): the same measurement on p x dp processes, with the optimizer state
   sharded over the replicas (ZeRO-1, ``shard_optimizer``) and not: every rank's terms, and the model's. The optimizer
-  state and the EF buffer fall as 1/dp when sharded; weights, versions, gradients and activations do not.
+  state and the EF buffer fall as 1/dp when sharded; weights, versions, gradients and activations do not. With
+  ``--fsdp`` a third variant per replica count: FSDP2 inside each stage (``fsdp=True``, the synchronous schedules
+  only), whose weights, gradients and optimizer state all fall as 1/dp; the model has no FSDP term (its columns "-").
 
     python benchmarks/memory.py --json runs/memory.json
     python benchmarks/memory.py --configs 2bw+ef 1f1b --data-parallel 1 2 4 --analytic-models
+    python benchmarks/memory.py --configs 1f1b gpipe --data-parallel 1 2 4 --fsdp --analytic-models --skip-measured
 """
 
 from __future__ import annotations
@@ -55,7 +58,8 @@ from lightning_async.pipeline import stage as stage_module  # noqa: E402
 from lightning_async.pipeline.local import run_local  # noqa: E402
 from lightning_async.pipeline.partition import partition_units  # noqa: E402
 from lightning_async.pipeline.boundary import flatten  # noqa: E402
-from lightning_async.pipeline.rank import build_rank  # noqa: E402
+from lightning_async.pipeline.fsdp import check_fsdp_applicable, local  # noqa: E402
+from lightning_async.pipeline.rank import build, plan_rank  # noqa: E402
 from lightning_async.pipeline.stage import StageModule  # noqa: E402
 from lightning_async.pipeline.measure import SavedTensorBytes, measure_model  # noqa: E402
 from lightning_async.pipeline.timing import schedule_memory  # noqa: E402
@@ -73,6 +77,7 @@ MIB = 2**20
 def _nbytes(tensors) -> int:
     seen, total = set(), 0
     for t in tensors:
+        t = None if t is None else local(t)  # (this rank's shard of an FSDP weight or gradient)
         if t is None or t.data_ptr() in seen:
             continue
         seen.add(t.data_ptr())
@@ -151,27 +156,27 @@ def measured_worker(cfg: dict) -> dict:
     firsts = chunk_inputs(units, stage_units, pieces, inputs, device)
     measure = {}
 
-    def make_optimizer(stage):
-        stage.module.to(device)
-        last = spec.virtual_stages(p) - 1
-        measure["act"] = [activation_bytes(chunk, x, targets, k == last, context_fn(inputs), recompute)
-                          for chunk, x, k in zip(stage.chunks, firsts, pieces)]
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            measure["base_alloc"] = torch.cuda.memory_allocated(device)
-        measure["rss0"] = rss_kib("VmRSS")
-        measure["hwm_reset"] = reset_peak_rss()
-        return build_optimizer("adamw", stage.named_parameters, lr=1e-3, weight_decay=0.1)
-
-    built = build_rank(
-        units, spec, cfg["m"], split_next_token, next_token_loss, make_optimizer, rank=rank,
-        world_size=dist.get_world_size(), pipeline_parallel_size=p, stage_units=stage_units,
-        correction=None if ef is None else ErrorFeedbackCorrection(ef), autocast=contextlib.nullcontext, device=device,
-        context_fn=context_fn, activation_checkpointing=recompute, shard_optimizer=cfg.get("shard", False),
+    plan = plan_rank(units, spec, cfg["m"], rank=rank, world_size=dist.get_world_size(), pipeline_parallel_size=p,
+                     stage_units=stage_units)
+    stage = plan.rank_stage
+    stage.module.to(device)
+    last = spec.virtual_stages(p) - 1
+    act = [activation_bytes(chunk, x, targets, k == last, context_fn(inputs), recompute)
+           for chunk, x, k in zip(stage.chunks, firsts, pieces)]
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        measure["base_alloc"] = torch.cuda.memory_allocated(device)
+    measure["rss0"] = rss_kib("VmRSS")
+    measure["hwm_reset"] = reset_peak_rss()
+    built = build(
+        plan, build_optimizer("adamw", stage.named_parameters, lr=1e-3, weight_decay=0.1), split_next_token,
+        next_token_loss, correction=None if ef is None else ErrorFeedbackCorrection(ef), autocast=contextlib.nullcontext,
+        device=device, context_fn=context_fn, activation_checkpointing=recompute, shard_optimizer=cfg["sharding"] == "zero1",
+        fsdp=cfg["sharding"] == "fsdp",
     )
-    runtime, act = built.runtime, measure["act"]
+    runtime = built.runtime
     peak = {"inflight": 0, "activations": 0, "grads": 0}
 
     def sample():
@@ -216,12 +221,20 @@ def measured_worker(cfg: dict) -> dict:
     return out
 
 
-def measured(args, dp: int = 1, shard: bool = False) -> list[dict]:
+def measured(args, dp: int = 1, sharding: str = "none") -> list[dict]:
+    """Every config on p x dp processes; ``sharding``: ``"none"``, ``"zero1"`` (shard_optimizer) or ``"fsdp"``."""
     rows = []
+    shard = sharding == "zero1"
     for config in args.configs:
         cfg = dict(model=args.model, p=args.p, m=args.m, micro_batch=args.micro_batch, seq_len=args.seq_len,
-                   steps=args.steps, config=config, device=args.device, shard=shard)
-        schedule, ef, _ = CONFIGS[config]
+                   steps=args.steps, config=config, device=args.device, sharding=sharding)
+        schedule, ef, recompute = CONFIGS[config]
+        if sharding == "fsdp":
+            try:
+                check_fsdp_applicable(schedules.spec(schedule), dp, activation_checkpointing=recompute)
+            except ValueError as refused:
+                print(f"skipped {config} under FSDP: {refused}")
+                continue
         ranks = spawn(args.p * dp, cfg)
         spec = schedules.spec(schedule)
         piece_bytes = [0] * spec.virtual_stages(args.p)
@@ -237,14 +250,14 @@ def measured(args, dp: int = 1, shard: bool = False) -> list[dict]:
             correction_buffers=1 if ef else 0, data_parallel_size=dp, shard_optimizer=shard,
         )
         for r in ranks:
-            theory = model[r["stage"]]
+            theory = model[r["stage"]] if sharding != "fsdp" else dict.fromkeys(model[r["stage"]])
             accounted = (r["weight_versions"] + r["optimizer_state"] + r["correction"] + r["peak_gradient_bytes"]
                          + r["peak_activation_bytes"])
             rows.append(dict(
-                r, config=config, sim_peak_inflight=theory["inflight_microbatches"] * schedules.spec(schedule).chunks,
+                r, config=config, sim_peak_inflight=(theory["inflight_microbatches"] or 0) * schedules.spec(schedule).chunks,
                 theory_weight_versions=theory["weights"], theory_error_feedback=theory["correction"],
                 theory_gradient_bytes=theory["gradients"], theory_activations=theory["activations"],
-                theory_total=theory["total"], accounted_total=accounted, dp=dp, sharded=shard,
+                theory_total=theory["total"], accounted_total=accounted, dp=dp, sharded=sharding != "none", sharding=sharding,
                 theory_optimizer=theory["optimizer"], seconds_per_batch=r["seconds"] / cfg["steps"],
             ))
     return rows
@@ -254,17 +267,17 @@ def replicas_table(rows: list[dict]) -> str:
     """Per rank and replica count, sharded or not: the terms that ZeRO-1 splits (optimizer state, EF) and those it
     does not, each measured / modelled, and the optimizer term as a share of the one-replica run's."""
     single = {(r["config"], r["stage"]): r["optimizer_state"] + r["correction"] for r in rows if r["dp"] == 1}
-    head = ("config", "dp", "sharded", "stage", "replica", "versions MiB", "grads peak MiB", "AdamW MiB meas / model",
+    head = ("config", "dp", "sharding", "stage", "replica", "versions MiB", "grads peak MiB", "AdamW MiB meas / model",
             "EF MiB meas / model", "(AdamW + EF) / dp=1", "activations peak MiB", "accounted MiB", "s / batch")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         base = single.get((r["config"], r["stage"]))
         ratio = f"{(r['optimizer_state'] + r['correction']) / base:.3f}" if base else "-"
         lines.append("| " + " | ".join([
-            r["config"], str(r["dp"]), "yes" if r["sharded"] else "no", str(r["stage"]), str(r["replica"]),
+            r["config"], str(r["dp"]), r["sharding"], str(r["stage"]), str(r["replica"]),
             _mib(r["weight_versions"]), _mib(r["peak_gradient_bytes"]),
-            f"{_mib(r['optimizer_state'])} / {_mib(r['theory_optimizer'])}",
-            f"{_mib(r['correction'])} / {_mib(r['theory_error_feedback'])}", ratio,
+            f"{_mib(r['optimizer_state'])} / {_model_mib(r['theory_optimizer'])}",
+            f"{_mib(r['correction'])} / {_model_mib(r['theory_error_feedback'])}", ratio,
             _mib(r["peak_activation_bytes"]), _mib(r["accounted_total"]), f"{r['seconds_per_batch']:.3f}",
         ]) + " |")
     return "\n".join(lines)
@@ -301,6 +314,10 @@ def analytic(args) -> list[dict]:
 # ------------------------------------------------------------------------------------------------ tables
 def _mib(n) -> str:
     return "-" if n is None else f"{n / MIB:.2f}"
+
+
+def _model_mib(n) -> str:
+    return "-" if n is None else _mib(n)
 
 
 def _gib(n) -> str:
@@ -380,6 +397,8 @@ def main() -> None:
     parser.add_argument("--skip-measured", action="store_true")
     parser.add_argument("--data-parallel", nargs="+", type=int, default=None,
                         help="replica counts of the replicas table (each > 1 measured sharded and not)")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="replicas table: FSDP2 inside each stage too, for every dp > 1 (synchronous configs)")
     parser.add_argument("--json", default=None, help="write the rows here")
     args = parser.parse_args()
     if args.device == "cuda" and torch.cuda.device_count() < args.p:
@@ -402,10 +421,11 @@ def main() -> None:
             print("\nCPU: the RSS column is a rough witness only (allocator caching); peak activation memory is "
                   "not measured reliably by RSS. Read the per-term columns.")
     if args.data_parallel:
-        rows = [row for dp in args.data_parallel for shard in ((False, True) if dp > 1 else (False,))
-                for row in measured(args, dp, shard)]
+        variants = ("none", "zero1") + (("fsdp",) if args.fsdp else ())
+        rows = [row for dp in args.data_parallel for sharding in (variants if dp > 1 else ("none",))
+                for row in measured(args, dp, sharding)]
         result["replicas"] = rows
-        print(f"\nReplicas: {args.model}, p={args.p}, m={args.m} per replica, AdamW, sharded (ZeRO-1) and not\n")
+        print(f"\nReplicas: {args.model}, p={args.p}, m={args.m} per replica, AdamW, {' / '.join(variants)}\n")
         print(replicas_table(rows))
     if args.analytic_models:
         rows = analytic(args)

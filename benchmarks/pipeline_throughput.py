@@ -51,7 +51,7 @@ from _stages import SLEEP_WIDTH, Workload, p2p_probe, ping_pong, reset_peak_rss,
 from lightning_async.optim import build_optimizer  # noqa: E402
 from lightning_async.pipeline import schedules as S  # noqa: E402
 from lightning_async.pipeline.partition import partition_units  # noqa: E402
-from lightning_async.pipeline.rank import build_rank  # noqa: E402
+from lightning_async.pipeline.rank import build, plan_rank  # noqa: E402
 from lightning_async.pipeline.stage import build_rank_stage  # noqa: E402
 from lightning_async.pipeline.timing import simulate_lists  # noqa: E402
 
@@ -166,8 +166,9 @@ def _run_ours(work: Workload, name: str, batches, warm: int, clock: Clock, profi
     spec = S.spec(base_schedule(name))
     rank, p = dist.get_rank(), work.p
     units = work.units(spec.virtual_stages(p))
-    built = build_rank(units, spec, work.m, work.split(), work.loss(), lambda st: _optimizer(st.named_parameters),
-                       rank=rank, world_size=p, pipeline_parallel_size=p, stage_units=_stage_units(work, units, spec.virtual_stages(p)))
+    plan = plan_rank(units, spec, work.m, rank=rank, world_size=p, pipeline_parallel_size=p,
+                     stage_units=_stage_units(work, units, spec.virtual_stages(p)))
+    built = build(plan, _optimizer(plan.named_parameters), work.split(), work.loss())
     rt = built.runtime
     rt.transport.prepost_enabled = rt.transport.prepost_enabled and not name.endswith(FUSED)
     rt._forward = clock.trace("F", rt._forward)

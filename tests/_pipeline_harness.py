@@ -14,8 +14,9 @@ from lightning_async.models import SmolLM2, model_config
 from lightning_async.models.objective import next_token_loss, split_next_token
 from lightning_async.optim import DelayedOptimizer, build_correction, build_optimizer
 from lightning_async.pipeline.boundary import split_rows
+from lightning_async.pipeline.fsdp import whole
 from lightning_async.pipeline.local import join_default_group, run_local
-from lightning_async.pipeline.rank import build_rank
+from lightning_async.pipeline.rank import build, plan_rank
 from workload import KWARGS, LRS, lr_lambda
 from workload import SHAPE as SINGLE_DEVICE_SHAPE
 
@@ -126,13 +127,26 @@ def reference_run(
     return weights
 
 
+def sgd(named_parameters) -> torch.optim.Optimizer:
+    return torch.optim.SGD([p for _, p in named_parameters], lr=0.1)
+
+
+def rank_runtime(units, schedule: str, m: int, split_batch: Callable, loss: Callable, make_optimizer: Callable = sgd,
+                 rank: int = 0, world_size: int = 1, stage_units=None, **options):
+    """A rank's runtime built the one way the strategy builds it (``plan_rank``, then ``build``); one process by
+    default. ``make_optimizer(named_parameters)`` gets the rank's parameters by global name."""
+    plan = plan_rank(list(units), schedule, m, rank=rank, world_size=world_size, stage_units=stage_units)
+    return build(plan, make_optimizer(plan.named_parameters), split_batch, loss, **options).runtime
+
+
 def pipeline_run(
     stages: int, schedule: str, optimizer: str, ef: float, steps: int, clip: float | None, m: int, drain_at=(), prepost=None,
     workload: Workload = SMOLLM2, activation_checkpointing: bool = False, shard_optimizer: bool = False,
+    fsdp: bool = False,
 ):
     """Run inside a process of an initialised gloo group; returns this stage's weights by name, the losses,
     the number of receives the transport pre-posted (``prepost``: see ``StageTransport``), of the boundary
-    headers it sent, and the runtime's memory report at the end (``shard_optimizer``: ZeRO-1 over the replicas).
+    headers it sent, and the runtime's memory report at the end (``shard_optimizer``: ZeRO-1 over the replicas; ``fsdp``: FSDP2 inside each stage, the weights returned whole).
 
     After the batches in ``drain_at`` the pipeline is evaluated under ``torch.inference_mode`` (as Lightning
     does on NCCL), which drains it; the update rule must not notice. The final evaluation uses a batch whose
@@ -142,21 +156,16 @@ def pipeline_run(
     w = workload
     model = w.make_model()
     units = [(f"model.{n}", u) for n, u in model.pipeline_units()]
-    state = {}
-
-    def make_optimizer(stage):
-        opt = build_optimizer(optimizer, stage.named_parameters, lr=LRS[optimizer], weight_decay=0.1, **KWARGS.get(optimizer, {}))
-        state["sched"] = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
-        schedule_hyperparameters(opt, 0)
-        return opt
-
-    built = build_rank(
-        units, schedule, m, w.split_batch, w.loss, make_optimizer, rank=rank, world_size=dist.get_world_size(),
-        pipeline_parallel_size=stages, gradient_clip_val=clip, correction=correction_of(ef), autocast=contextlib.nullcontext,
-        context_fn=getattr(model, "pipeline_context", None), activation_checkpointing=activation_checkpointing,
-        shard_optimizer=shard_optimizer,
+    plan = plan_rank(units, schedule, m, rank=rank, world_size=dist.get_world_size(), pipeline_parallel_size=stages)
+    opt = build_optimizer(optimizer, plan.named_parameters, lr=LRS[optimizer], weight_decay=0.1, **KWARGS.get(optimizer, {}))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    schedule_hyperparameters(opt, 0)
+    built = build(
+        plan, opt, w.split_batch, w.loss, gradient_clip_val=clip, correction=correction_of(ef),
+        autocast=contextlib.nullcontext, context_fn=getattr(model, "pipeline_context", None),
+        activation_checkpointing=activation_checkpointing, shard_optimizer=shard_optimizer, fsdp=fsdp,
     )
-    stage, runtime, opt, sched = built.stage, built.runtime, built.runtime.optimizer, state["sched"]
+    stage, runtime = plan.rank_stage, built.runtime
     mesh = built.groups.mesh
     if prepost is not None:
         runtime.transport.prepost_enabled = prepost
@@ -175,7 +184,7 @@ def pipeline_run(
     runtime.drain()
     losses.append(runtime.collect_loss(steps - 1) if runtime.spec.loss_lag else None)
     by_param = {id(p): n for n, p in stage.named_parameters}
-    weights = {by_param[id(p)]: p.detach().clone() for p in runtime.params}
+    weights = {by_param[id(p)]: whole(p) for p in runtime.params}
     weights["eval_loss"] = runtime.eval_batch(w.eval_batch())
     losses = [None if x is None else float(x) for x in losses]
     return weights, losses, runtime.transport.preposted, runtime.transport.headers_sent, runtime.memory_report()

@@ -9,16 +9,14 @@ from __future__ import annotations
 import contextlib
 
 import pytest
-import torch
 
 from lightning_async.models.objective import next_token_loss, split_next_token
 from lightning_async.optim import build_optimizer
 from lightning_async.optim import ErrorFeedbackCorrection
 from lightning_async.pipeline.runtime import PipelineRuntime
-from lightning_async.pipeline.stage import StageModule
 from lightning_async.pipeline.timing import memory_model
 
-from _pipeline_harness import SHAPE, make_batches, make_model
+from _pipeline_harness import SHAPE, make_batches, make_model, rank_runtime
 
 FP32 = 4
 
@@ -34,10 +32,9 @@ def expected_parameter_tensors() -> list[int]:
 
 def make_runtime(schedule: str, ef: float | None, m: int = 2) -> PipelineRuntime:
     model = make_model()
-    stage = StageModule([(f"model.{name}", unit) for name, unit in model.pipeline_units()])
-    opt = build_optimizer("adamw", list(stage.named_parameters()), lr=1e-3, weight_decay=0.1)
-    return PipelineRuntime(
-        stage, opt, schedule, m, split_next_token, next_token_loss,
+    return rank_runtime(
+        [(f"model.{name}", unit) for name, unit in model.pipeline_units()], schedule, m, split_next_token, next_token_loss,
+        make_optimizer=lambda named: build_optimizer("adamw", named, lr=1e-3, weight_decay=0.1),
         correction=None if ef is None else ErrorFeedbackCorrection(ef), autocast=contextlib.nullcontext,
     )
 

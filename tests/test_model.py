@@ -95,8 +95,8 @@ def test_causal_lm_learns_a_repeating_sequence():
 
 def test_rope_tables_are_computed_once_per_forward_and_once_per_stage_and_microbatch(monkeypatch):
     from lightning_async.models import smollm2
-    from lightning_async.pipeline.runtime import PipelineRuntime
     from lightning_async.pipeline.stage import StageModule
+    from _pipeline_harness import rank_runtime
 
     calls = []
     original = smollm2.rotary_tables
@@ -114,10 +114,8 @@ def test_rope_tables_are_computed_once_per_forward_and_once_per_stage_and_microb
     for _, unit in model.pipeline_units():  # without a context each block still computes its own tables
         h = unit(h)
     assert torch.equal(h, expected) and len(calls) == 2
-    runtime = PipelineRuntime(
-        stage, torch.optim.SGD(stage.parameters(), lr=0.1), "1f1b", 2, split_next_token, next_token_loss,
-        context_fn=model.pipeline_context,
-    )
+    runtime = rank_runtime(model.pipeline_units(), "1f1b", 2, split_next_token, next_token_loss,
+                           context_fn=model.pipeline_context)
     calls.clear()
     runtime.train_batch(torch.randint(0, 257, (4, 10)))
     assert len(calls) == 2  # one per micro-batch on this stage

@@ -16,15 +16,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from _pipeline_harness import SHRUNK_BATCH, Workload, pipeline_run, reference_run, spawn
+from _pipeline_harness import SHRUNK_BATCH, Workload, pipeline_run, rank_runtime, reference_run, spawn
 
 from lightning_async.optim import build_optimizer
 from lightning_async.optim import ErrorFeedbackCorrection
 from lightning_async.pipeline.boundary import flatten, takes_context, unflatten
-from lightning_async.pipeline.groups import make_pipeline_groups
 from lightning_async.pipeline.p2p import BoundaryChanged, PeerFailure
-from lightning_async.pipeline.runtime import PipelineRuntime
-from lightning_async.pipeline.stage import StageModule, build_stage
+from lightning_async.pipeline.stage import StageModule
 
 VOCAB, HIDDEN, LAYERS, BATCH, SEQ = 61, 16, 4, 12, 12  # BATCH and BATCH // 2 divisible by 2 and 3 stages
 
@@ -275,10 +273,9 @@ def test_activation_checkpointing_keeps_weights_bit_identical(oracle_results):
 
 def _one_stage_2bw_weights(activation_checkpointing: bool) -> list[torch.Tensor]:
     model = _seeded(MaskedLM)()
-    stage = StageModule(model.pipeline_units())
-    opt = build_optimizer("adamw", list(stage.named_parameters()), lr=3e-3)
-    runtime = PipelineRuntime(
-        stage, opt, "2bw", 2, MaskedLM.pipeline_split_batch, next_token_loss, gradient_clip_val=1.0,
+    runtime = rank_runtime(
+        model.pipeline_units(), "2bw", 2, MaskedLM.pipeline_split_batch, next_token_loss,
+        make_optimizer=lambda named: build_optimizer("adamw", named, lr=3e-3), gradient_clip_val=1.0,
         correction=ErrorFeedbackCorrection(1.0), activation_checkpointing=activation_checkpointing,
     )
     for batch in token_batches(STEPS):
@@ -325,7 +322,7 @@ def test_unit_returning_a_non_tensor_is_refused(returns, offending):
     stage = StageModule([("ok", nn.Linear(2, 2)), ("bad", _Returns(returns))])
     with pytest.raises(TypeError, match=re.escape(f"Pipeline unit 'bad' returned {offending};") + ".*pipeline_context"):
         stage(torch.ones(3, 2))
-    runtime = PipelineRuntime(stage, torch.optim.SGD(stage.parameters(), lr=0.1), "1f1b", 1, lambda b: (b, b), F.mse_loss)
+    runtime = rank_runtime([("ok", stage.units[0]), ("bad", stage.units[1])], "1f1b", 1, lambda b: (b, b), F.mse_loss)
     with pytest.raises(TypeError, match="Pipeline unit 'bad'"):
         runtime.train_batch(torch.ones(3, 2))
 
@@ -342,8 +339,7 @@ def test_boundary_values_round_trip_and_refuse_other_types():
 
 
 def test_inputs_and_targets_must_share_the_batch_dimension():
-    stage = StageModule([("lin", nn.Linear(2, 2))])
-    runtime = PipelineRuntime(stage, torch.optim.SGD(stage.parameters(), lr=0.1), "1f1b", 2, lambda b: b, F.mse_loss)
+    runtime = rank_runtime([("lin", nn.Linear(2, 2))], "1f1b", 2, lambda b: b, F.mse_loss)
     with pytest.raises(ValueError, match="same size there"):
         runtime.train_batch(((torch.ones(4, 2), torch.ones(3, 2)), torch.ones(4, 2)))
     with pytest.raises(ValueError, match="not divisible by n_microbatches=2"):
@@ -368,11 +364,8 @@ def _shape_change_run():
     torch.manual_seed(0)
     units = [("grow", _ShrinksOnSecondCall()), ("mid", nn.Linear(4, 4)), ("head", nn.Linear(4, 4))]
     names = [["grow"], ["mid"], ["head"]]
-    stage, _ = build_stage(units, names, rank)
-    runtime = PipelineRuntime(
-        stage, torch.optim.SGD(stage.parameters(), lr=0.1), "2bw", 3, lambda b: b, F.mse_loss,
-        make_pipeline_groups(rank, 3, 3), autocast=contextlib.nullcontext,
-    )
+    runtime = rank_runtime(units, "2bw", 3, lambda b: b, F.mse_loss, rank=rank, world_size=3, stage_units=names,
+                           autocast=contextlib.nullcontext)
     start = time.monotonic()
     try:
         runtime.train_batch((torch.ones(6, 4), torch.ones(6, 4)))

@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from _pipeline_harness import SHAPE as HARNESS_SHAPE
-from _pipeline_harness import as_torchrun, spawn
+from _pipeline_harness import as_torchrun, rank_runtime, spawn
 from lightning_async.callbacks import DelaySimulation, ErrorFeedback
 from lightning_async.lm import CausalLM
 from lightning_async.pipeline.partition import partition_units
@@ -23,8 +23,6 @@ from lightning_async import compat
 from lightning_async.strategies import AsyncPipelineStrategy
 from lightning_async.optim import build_correction
 from lightning_async.pipeline.contract import check_pipeline_contract
-from lightning_async.pipeline.runtime import PipelineRuntime
-from lightning_async.pipeline.stage import StageModule
 
 SHAPE = {k: v for k, v in HARNESS_SHAPE.items() if k != "vocab_size"}  # (the module takes its vocabulary from the data)
 STEPS = 8
@@ -238,10 +236,9 @@ def test_corrections_need_the_delayed_schedule():
     message = r"corrects the one-step delay of schedule '2bw', but schedule '1f1b' is synchronous.*async_pipe"
     with pytest.raises(ValueError, match="The 'ef' correction " + message):
         AsyncPipelineStrategy(schedule="1f1b", correction="ef")
-    stage = StageModule([("linear", nn.Linear(2, 2))])
     with pytest.raises(ValueError, match="The 'nesterov' correction " + message):
-        PipelineRuntime(stage, torch.optim.SGD(stage.parameters(), lr=0.1), "1f1b", 1, lambda b: b, lambda y, t: y,
-                        correction=build_correction("nesterov"))
+        rank_runtime([("linear", nn.Linear(2, 2))], "1f1b", 1, lambda b: b, lambda y, t: y,
+                     correction=build_correction("nesterov"))
 
 
 def test_any_module_meeting_the_contract_trains(pipeline_fits):

@@ -78,7 +78,8 @@ def delayed_step(
     if updated is not None:
         grads = [g if own else None for g, own in zip(grads, updated)]
     mine = repeat(True) if updated is None else updated
-    delayed = [(p, src, dst) for p, src, dst, own in zip(params, newest, out, mine) if own and dst.data_ptr() != src.data_ptr()]
+    delayed = [(p, src, dst) for p, src, dst, own in zip(params, newest, out, mine)
+               if own and dst is not src and dst.data_ptr() != src.data_ptr()]
     if active and correction.level == GRADIENT:
         correction.compensate_(
             optimizer, {p: g for p, g in zip(params, grads) if g is not None},
@@ -87,7 +88,8 @@ def delayed_step(
     if delayed:
         torch._foreach_copy_([dst for _, _, dst in delayed], [src for _, src, _ in delayed])
     for p, g, dst in zip(params, grads, out):
-        p.data = dst
+        if dst is not p:  # (an FSDP-sharded parameter is its own storage)
+            p.data = dst
         p.grad = g
     with group_values(optimizer, hyperparameters):
         optimizer.step()

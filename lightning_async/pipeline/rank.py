@@ -1,7 +1,12 @@
-"""One entry that builds a pipeline rank: its stage (one or more chunks), its process groups and its runtime.
+"""Building a pipeline rank: a plan first (what the rank will hold), then one :func:`build` (groups, stage, runtime).
 
-The strategy, the test harness and every benchmark call :func:`build_rank`, so they cannot drift apart (the
-harness once skipped the initial weight synchronisation the strategy does).
+:func:`plan_rank` decides, before any process group exists, what rank ``rank`` holds: the mesh, the schedule, the
+units of every piece, the rank's stage (its pieces, its tied weights, its parameters by global name). The caller
+prepares what it owns with it: the strategy prunes the LightningModule to the plan, moves it and sets up the
+user's optimizer; a test or a benchmark builds its optimizer from ``plan.named_parameters``. :func:`build` then
+makes the process groups, synchronises the initial weights (tied copies, replicas) and returns the runtime.
+Nothing else constructs a :class:`~lightning_async.pipeline.runtime.PipelineRuntime`, so the strategy, the test
+harness and the benchmarks cannot drift apart (the harness once skipped the initial weight synchronisation).
 """
 
 from __future__ import annotations
@@ -13,56 +18,142 @@ from datetime import timedelta
 from torch import nn
 
 from lightning_async.pipeline import schedules
+from lightning_async.pipeline.fsdp import check_fsdp_applicable, check_optimizer, rebind_optimizer, shard_chunks
 from lightning_async.pipeline.groups import make_pipeline_groups, synchronize_initial_weights
-from lightning_async.pipeline.mesh import PipelineGroups
+from lightning_async.pipeline.mesh import PipelineGroups, PipelineMesh
+from lightning_async.pipeline.partition import partition_units
 from lightning_async.pipeline.runtime import PipelineRuntime
-from lightning_async.pipeline.stage import RankStage, build_rank_stage
+from lightning_async.pipeline.stage import RankStage, build_rank_stage, prune_to_stage
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """What one rank of a pipeline will hold, decided before anything is built (no process groups, no runtime)."""
+
+    rank: int
+    mesh: PipelineMesh
+    spec: schedules.ScheduleSpec
+    n_microbatches: int
+    #: the unit names of every piece (virtual stage), in model order
+    stage_units: list[list[str]]
+    #: the rank's pieces (they hold the model's own unit modules, not copies) and its tied weights
+    rank_stage: RankStage
+
+    @property
+    def stage(self) -> int:
+        """The pipeline stage this rank runs."""
+        return self.mesh.stage_of(self.rank)
+
+    @property
+    def tied(self) -> list[str]:
+        """Names (in the rank's module) of the weights it shares with another rank, in the order both ends use."""
+        return self.rank_stage.tied
+
+    @property
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The rank's parameters with global names (``unit.param``), each once: what its optimizer gets."""
+        return self.rank_stage.named_parameters
+
+    def prune(self, module: nn.Module, units: Sequence[tuple[str, nn.Module]]) -> None:
+        """Replace, in ``module`` (whose units are ``units``), every unit another rank holds by a placeholder."""
+        prune_to_stage(module, units, self.stage_units, self.stage, self.spec)
 
 
 @dataclass
 class Rank:
-    """What :func:`build_rank` made for one process."""
+    """What :func:`build` made for one process."""
 
-    stage: RankStage
+    plan: RankPlan
     groups: PipelineGroups
     runtime: PipelineRuntime
 
+    @property
+    def stage(self) -> RankStage:
+        return self.plan.rank_stage
 
-def build_rank(
+
+def plan_rank(
     units: Sequence[tuple[str, nn.Module]],
     schedule: "str | schedules.ScheduleSpec",
     n_microbatches: int,
-    split_batch: Callable,
-    loss_fn: Callable,
-    make_optimizer: Callable[[RankStage], object],
     rank: int = 0,
     world_size: int = 1,
     pipeline_parallel_size: int | None = None,
     stage_units: Sequence[Sequence[str]] | None = None,
     partition: str | Sequence[str] = "uniform",
     tied: Sequence[str] | None = None,
-    timeout: timedelta | None = None,
-    **runtime_options,
-) -> Rank:
-    """Build rank ``rank`` of a ``world_size``-process pipeline (``pipeline_parallel_size`` stages per replica).
+) -> RankPlan:
+    """The plan of rank ``rank`` of a ``world_size``-process pipeline (``pipeline_parallel_size`` stages per replica).
 
-    Every rank must call it, in the same order (it makes the process groups and synchronises the initial
-    weights: tied copies equal stage 0's, replicas equal replica 0's). ``stage_units`` (the units of every piece,
-    in model order) or ``partition`` decide the split. ``make_optimizer(stage)`` returns the rank's optimizer; it
-    is called after the stage is built and before the weights are synchronised, so it may also move or prune the
-    module (the strategy does). ``tied`` overrides the tied weights the split finds (a module whose other stages
-    are placeholders already). ``runtime_options`` go to :class:`PipelineRuntime` (clipping, correction,
-    autocast, device, context, activation checkpointing).
+    ``stage_units`` (the units of every piece, in model order) or ``partition`` decide the split. ``tied``
+    overrides the tied weights the split finds (for a module whose other stages are placeholders already).
+    Settings the schedule cannot run are refused here, before any rank makes a process group.
     """
     spec = schedules.spec(schedule)
-    groups = make_pipeline_groups(rank, world_size, pipeline_parallel_size or world_size, timeout=timeout)
-    stage = build_rank_stage(units, groups.stage, stage_units, num_stages=groups.num_stages, partition=partition, schedule=spec)
+    mesh = PipelineMesh.from_world(world_size, pipeline_parallel_size or world_size)
+    spec.validate(mesh.pipeline_parallel_size, n_microbatches)
+    pieces = spec.virtual_stages(mesh.pipeline_parallel_size)
+    if stage_units is None:
+        stage_units = partition_units(units, pieces, partition)
+    if len(stage_units) != pieces:
+        raise ValueError(
+            f"Schedule {spec.name!r} on {mesh.pipeline_parallel_size} stages runs {pieces} pieces, but stage_units lists "
+            f"{len(stage_units)}. Give one list of unit names per piece (or leave stage_units unset to partition)."
+        )
+    split = [list(names) for names in stage_units]
+    rank_stage = build_rank_stage(units, mesh.stage_of(rank), split, schedule=spec)
     if tied is not None:
-        stage.tied = list(tied)
-    optimizer = make_optimizer(stage)
-    synchronize_initial_weights(groups, stage.module, stage.tied)
+        rank_stage.tied = list(tied)
+    return RankPlan(rank, mesh, spec, n_microbatches, split, rank_stage)
+
+
+def build(
+    plan: RankPlan,
+    optimizer,
+    split_batch: Callable,
+    loss_fn: Callable,
+    timeout: timedelta | None = None,
+    fsdp: bool = False,
+    **runtime_options,
+) -> Rank:
+    """Build the rank ``plan`` describes: its process groups, its initial weights, its runtime.
+
+    Every rank must call it, in the same order (it makes the process groups and synchronises the initial weights:
+    tied copies equal stage 0's, replicas equal replica 0's). ``optimizer`` holds the rank's parameters
+    (``plan.named_parameters``) and nothing else. ``runtime_options`` go to :class:`PipelineRuntime` (clipping,
+    correction, autocast, device, context, activation checkpointing, sharded optimizer). ``fsdp``: shard each
+    unit's weights over the stage's replicas with FSDP2 (:mod:`~lightning_async.pipeline.fsdp`); the optimizer's
+    parameters are rebound to the sharded ones, and so are ``plan.named_parameters``.
+    """
+    _check_optimizer_holds_the_rank(optimizer, plan)
+    mesh = plan.mesh
+    if fsdp:
+        check_fsdp_applicable(plan.spec, mesh.data_parallel_size, runtime_options.get("shard_optimizer", False),
+                              runtime_options.get("activation_checkpointing", False))
+        check_optimizer(optimizer)
+    groups = make_pipeline_groups(plan.rank, mesh.world_size, mesh.pipeline_parallel_size, timeout=timeout)
+    module = plan.rank_stage.module
+    synchronize_initial_weights(groups, module, plan.tied)
+    if fsdp:
+        device = runtime_options.get("device") or next(module.parameters()).device
+        sharded = shard_chunks(plan.rank_stage.chunks, groups.weight_gather, device)
+        rebind_optimizer(optimizer, sharded)
+        plan.rank_stage.named_parameters[:] = [(n, sharded.get(id(p), p)) for n, p in plan.named_parameters]
     runtime = PipelineRuntime(
-        stage.module, optimizer, spec, n_microbatches, split_batch, loss_fn, groups,
-        tied_parameters=stage.tied, count_tied_in_norm=groups.stage == 0, **runtime_options,
+        module, optimizer, plan.spec, plan.n_microbatches, split_batch, loss_fn, groups,
+        tied_parameters=plan.tied, count_tied_in_norm=groups.stage == 0, fsdp=fsdp, **runtime_options,
     )
-    return Rank(stage, groups, runtime)
+    return Rank(plan, groups, runtime)
+
+
+def _check_optimizer_holds_the_rank(optimizer, plan: RankPlan) -> None:
+    """Refuse an optimizer that steps a weight this rank does not hold (e.g. one built before the module was pruned)."""
+    mine = {id(p) for _, p in plan.named_parameters}
+    for group in getattr(optimizer, "param_groups", ()):
+        for p in group["params"]:
+            if id(p) not in mine:
+                raise ValueError(
+                    f"The optimizer of pipeline rank {plan.rank} (stage {plan.stage}) holds a parameter of shape "
+                    f"{tuple(p.shape)} that this stage does not run. Build the optimizer from the rank's parameters "
+                    f"(RankPlan.named_parameters, or the LightningModule after RankPlan.prune)."
+                )

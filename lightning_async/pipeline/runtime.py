@@ -33,6 +33,7 @@ from torch.func import functional_call
 from lightning_async.optim.delayed_step import delayed_step, scheduled_values
 from lightning_async.optim.corrections import Correction, check_applicable
 from lightning_async.pipeline import schedules
+from lightning_async.pipeline.fsdp import local, set_gradient_sync
 from lightning_async.pipeline.boundary import flatten, rows, signature, split_rows, unflatten
 from lightning_async.pipeline.mesh import PipelineGroups
 from lightning_async.pipeline.p2p import PeerFailure, StageTransport
@@ -134,6 +135,7 @@ class PipelineRuntime:
         context_fn: Callable | None = None,
         activation_checkpointing: bool = False,
         shard_optimizer: bool = False,
+        fsdp: bool = False,
     ) -> None:
         self.groups = groups or PipelineGroups()
         self.spec = schedules.spec(schedule)
@@ -143,7 +145,7 @@ class PipelineRuntime:
         if len(self.chunks) != self.spec.chunks:
             raise ValueError(
                 f"Schedule {self.spec.name!r} runs {self.spec.chunks} chunk(s) per rank, but this rank was given "
-                f"{len(self.chunks)}. Build the rank with build_rank_stage(..., schedule=...)."
+                f"{len(self.chunks)}. Plan the rank with pipeline.rank.plan_rank(..., schedule) and build it with pipeline.rank.build."
             )
         self.module, self.optimizer, self.schedule = stage_module, optimizer, self.spec.name
         self.n_microbatches = n_microbatches
@@ -175,9 +177,15 @@ class PipelineRuntime:
             g.p2p, self.device, lambda piece: g.mesh.rank_of(self.spec.holder(piece, stages)[0], g.replica), g.stage_of_rank,
             name=f"pipeline stage {g.stage}" + (f" (last unit {last_unit!r})" if last_unit else ""),
         )
-        self.slots = [[p.detach().clone().requires_grad_(True) for p in self.params] for _ in range(self.spec.weight_versions)]
-        for p, t in zip(self.params, self.slots[-1]):
-            p.data = t.data  # the module's parameters always show the newest weights
+        #: the chunks' weights are FSDP-sharded over the replicas (:mod:`~lightning_async.pipeline.fsdp`): one
+        #: version, the parameters themselves, and each chunk called as a module so that FSDP gathers its weights
+        self.fsdp = fsdp
+        if fsdp:
+            self.slots = [list(self.params)]
+        else:
+            self.slots = [[p.detach().clone().requires_grad_(True) for p in self.params] for _ in range(self.spec.weight_versions)]
+            for p, t in zip(self.params, self.slots[-1]):
+                p.data = t.data  # the module's parameters always show the newest weights
         self.batches_done = 0  # training calls finished
         self.fresh = True  # pipeline empty: the next call starts with warmup
         self.batch_shape: tuple | None = None  # signature (structure, dtypes, shapes) of the last batch's inputs
@@ -215,7 +223,7 @@ class PipelineRuntime:
         return self.slots[batch % len(self.slots)]
 
     def newest(self) -> list[torch.Tensor]:
-        return [p.data for p in self.params]
+        return list(self.params) if self.fsdp else [p.data for p in self.params]
 
     # ---- actions --------------------------------------------------------------------------------
     def _forward(self, chunk: int, mb: int, batch: int, x, inputs, targets, training: bool):
@@ -227,7 +235,10 @@ class PipelineRuntime:
         with self.autocast():
             if self.context_fn is not None:  # under autocast, as in the module's own forward
                 kwargs["context"] = self.context_fn(inputs)
-            y = functional_call(self.chunks[chunk], weights, (x,), kwargs)
+            if self.fsdp:
+                y = self.chunks[chunk](x, **kwargs)  # FSDP gathers the chunk's weights (its one version)
+            else:
+                y = functional_call(self.chunks[chunk], weights, (x,), kwargs)
             if last:
                 y = self.loss_fn(y, targets)
         if training:
@@ -240,6 +251,8 @@ class PipelineRuntime:
         """Backward of micro-batch ``mb`` on ``chunk``; the gradients of its received leaves (``None`` on the first
         piece). ``split``: the input gradient only, the linear layers' weight gradients left for :meth:`_weight_grad`."""
         inputs, outputs = self._inflight.pop((chunk, mb))
+        if self.fsdp:  # reduce-scatter once per batch, at the chunk's last backward
+            set_gradient_sync(self.chunks[chunk], mb % self.n_microbatches == self.n_microbatches - 1)
         deferred = DeferredWeightGrads()
         with deferred.collecting() if split else contextlib.nullcontext():
             if self.pieces[chunk] == self.last_piece:
@@ -292,18 +305,20 @@ class PipelineRuntime:
         pending = _PendingUpdate(batch, grads, self._hyper.pop(batch))
         g = self.groups
         present = [x for x in grads if x is not None]
-        if g.data_parallel is not None and g.data_parallel_size > 1:
+        if g.data_parallel is not None and g.data_parallel_size > 1 and not self.fsdp:  # (FSDP has averaged them)
             average_over_replicas(present, g)
 
         def launch() -> None:
             pending.launch = None
             if g.tied is not None and self.tied:
-                pending.works += [dist.all_reduce(grads[i], group=g.tied, async_op=True) for i in self.tied if grads[i] is not None]
+                pending.works += [dist.all_reduce(local(grads[i]), group=g.tied, async_op=True) for i in self.tied if grads[i] is not None]
                 if self.is_first:  # the last stage posted long ago; the first stage's norm needs the sum
                     wait_collectives(pending.works, "the tied-weight gradient sum", g, "tied")
             if self.clip:
                 skip = set() if self.count_tied_in_norm else set(self.tied)
-                sq = sum((x.float().pow(2).sum() for i, x in enumerate(grads) if x is not None and i not in skip), torch.zeros((), device=self.device))
+                sq = sum((local(x).float().pow(2).sum() for i, x in enumerate(grads) if x is not None and i not in skip), torch.zeros((), device=self.device))
+                if self.fsdp:  # each replica holds a shard of every gradient: sum the stage's shards first
+                    wait_collectives([dist.all_reduce(sq, group=g.data_parallel, async_op=True)], "the gradient norm", g, "data_parallel")
                 pending.norm_sq = sq
                 if g.pipeline is not None:
                     pending.works.append(dist.all_reduce(sq, group=g.pipeline, async_op=True))
@@ -336,7 +351,7 @@ class PipelineRuntime:
             coef = torch.clamp(self.clip / (norm + 1e-6), max=1.0)
             for x in pending.grads:
                 if x is not None:
-                    x.mul_(coef.to(x.dtype))
+                    local(x).mul_(coef.to(x.dtype))
         out = self._slot(batch + len(self.slots))  # 2BW: V(b+2) replaces V(b); sync: in place
         delayed_step(
             self.optimizer,
@@ -542,8 +557,8 @@ class PipelineRuntime:
     def memory_report(self) -> dict[str, int]:
         """Bytes this stage holds: one weight version, all versions, optimizer state, the correction's buffers."""
 
-        def nbytes(tensors) -> int:
-            return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+        def nbytes(tensors) -> int:  # (this rank's shard of an FSDP weight)
+            return sum(local(t).numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
         state = [v for per_param in self.optimizer.state.values() for v in per_param.values()]
         ef = self.correction.buffers() if self.correction is not None else []
@@ -560,6 +575,8 @@ class PipelineRuntime:
         """Both weight versions, counters and the correction's buffers (call after :meth:`drain`)."""
         if not self.fresh:
             raise RuntimeError("PipelineRuntime.state_dict() needs an empty pipeline: call drain() first.")
+        if self.fsdp:
+            raise NotImplementedError("Checkpoints of FSDP-sharded stages are not written yet (fsdp=True): see pipeline.fsdp.")
         return {
             "schedule": self.schedule,
             "batches_done": self.batches_done,

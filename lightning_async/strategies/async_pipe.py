@@ -30,14 +30,14 @@ from lightning_async.callbacks.divergence import DivergenceGuard
 from lightning_async.optim.corrections import Correction, as_correction, check_applicable
 from lightning_async.pipeline import schedules
 from lightning_async.pipeline.contract import check_pipeline_contract
+from lightning_async.pipeline.fsdp import check_fsdp_applicable, whole
 from lightning_async.pipeline.mesh import PipelineMesh
 from lightning_async.pipeline.metrics import LossExtras
 from lightning_async.pipeline.partition import partition_units
 from lightning_async.pipeline.predict import predict_batch
 from lightning_async.pipeline.program import message_order_mismatches
-from lightning_async.pipeline.rank import build_rank
+from lightning_async.pipeline.rank import RankPlan, build, plan_rank
 from lightning_async.pipeline.runtime import PipelineRuntime
-from lightning_async.pipeline.stage import RankStage, prune_to_stage
 from lightning_async import compat
 from lightning_async.strategies.checkpoints import PipelineCheckpoints
 from lightning_async.strategies.memory_log import gather_memory_reports, log_memory_reports
@@ -103,6 +103,10 @@ class AsyncPipelineStrategy(DDPStrategy):
             a stage keeps and steps the optimizer state (and the correction's buffers) of its share of the
             stage's parameters, whole parameters balanced by size, and sends the new weights to the others; the
             update rule is unchanged (``docs/pipeline.md``, "Many replicas"). Needs ``data_parallel_size > 1``.
+        fsdp: FSDP2 inside each stage (torchtitan's composition): every unit's weights, gradients and optimizer
+            state sharded over the stage's replicas, gathered per forward and backward. Synchronous schedules with
+            one backward action (``gpipe``, ``1f1b``, ``interleaved``), element-wise optimizers, no checkpoints yet
+            (``enable_checkpointing=False``); needs ``data_parallel_size > 1`` (``docs/pipeline.md``, "FSDP inside a stage").
         checkpoint_format: ``"stages"`` (default: a file per stage, the same layout to resume) or ``"dcp"``
             (``torch.distributed.checkpoint``, keyed by global names, written by every rank in parallel: resumes on
             another stage count, split, replica count, sharded or not). Both are atomic directories; either loads.
@@ -128,6 +132,7 @@ class AsyncPipelineStrategy(DDPStrategy):
         error_feedback: float | None = None,
         activation_checkpointing: bool = False,
         shard_optimizer: bool = False,
+        fsdp: bool = False,
         checkpoint_format: str = "stages",
         process_group_backend: str | None = None,
         timeout: timedelta | int | None = 300,
@@ -151,6 +156,7 @@ class AsyncPipelineStrategy(DDPStrategy):
         self.partition = partition
         self.activation_checkpointing = bool(activation_checkpointing)
         self.shard_optimizer = bool(shard_optimizer)
+        self.fsdp = bool(fsdp)
         if checkpoint_format not in ("stages", "dcp"):
             raise ValueError(f"checkpoint_format must be 'stages' (a file per stage) or 'dcp' "
                              f"(torch.distributed.checkpoint, moves between layouts), got {checkpoint_format!r}.")
@@ -215,6 +221,8 @@ class AsyncPipelineStrategy(DDPStrategy):
             )
         spec = self.schedule_spec
         spec.validate(pp, self.n_microbatches)
+        if self.fsdp:
+            check_fsdp_applicable(spec, self.data_parallel_size, self.shard_optimizer, self.activation_checkpointing)
         backend = self._process_group_backend
         if (backend == "nccl" or self.root_device.type == "cuda") and pp > 1:
             lists = [spec.run_actions(r, pp, self.n_microbatches, 1) for r in range(pp)]
@@ -255,6 +263,7 @@ class AsyncPipelineStrategy(DDPStrategy):
         refusals.warn_bypassed_steps(self.lightning_module)
         self._optimizers_counted = refusals.refuse_before_launch(trainer, self.lightning_module)
         check_corrections(trainer)
+        self._refuse_checkpoints_under_fsdp(trainer)
         self.checkpoints.recover_before_launch(trainer)
 
     @override
@@ -277,7 +286,7 @@ class AsyncPipelineStrategy(DDPStrategy):
         """
         if self.runtime is not None:
             self.runtime.drain()
-        local = {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()}
+        local = {k: whole(v).cpu() for k, v in self.lightning_module.state_dict().items()}
         if not (dist.is_initialized() and self.world > 1):
             return local
         gathered: list | None = [None] * self.world if self.global_rank == 0 else None
@@ -302,6 +311,7 @@ class AsyncPipelineStrategy(DDPStrategy):
         add_metrics_logger(trainer, self)
         self._stop_on_sigterm(trainer)
         self.checkpoints.recover_at_setup(trainer)
+        self._refuse_checkpoints_under_fsdp(trainer)
         if self.data_parallel_size == 1:  # every stage reads the batches a single-device run would, in its order
             compat.keep_training_sampler(trainer)
         units = list(module.pipeline_units())
@@ -312,15 +322,23 @@ class AsyncPipelineStrategy(DDPStrategy):
             f"micro-batches={self.n_microbatches}, chunks per stage={self.schedule_spec.chunks}; units: {self.stage_units}"
         )
         self.loss_extras = LossExtras(module.pipeline_loss)
-        built = build_rank(
-            units, self.schedule_spec, self.n_microbatches, module.pipeline_split_batch, self.loss_extras,
-            make_optimizer=lambda stage: self._prepare_stage(trainer, module, units, stage, before),
-            rank=self.global_rank, world_size=self.world, pipeline_parallel_size=self.pipeline_parallel_size,
-            stage_units=self.stage_units, tied=None if before is None else before["tied"], timeout=self._timeout,
-            **self._runtime_options(trainer, module),
+        plan = plan_rank(
+            units, self.schedule_spec, self.n_microbatches, rank=self.global_rank, world_size=self.world,
+            pipeline_parallel_size=self.pipeline_parallel_size, stage_units=self.stage_units,
+            tied=None if before is None else before["tied"],
         )
+        optimizer = self._prepare_rank(trainer, module, units, plan, first_setup=before is None)
+        built = build(plan, optimizer, module.pipeline_split_batch, self.loss_extras, timeout=self._timeout,
+                      fsdp=self.fsdp, **self._runtime_options(trainer, module))
         self.runtime = built.runtime
         self.loss_extras.attach(self.runtime)
+
+    def _refuse_checkpoints_under_fsdp(self, trainer) -> None:
+        if self.fsdp and (trainer.checkpoint_callbacks or trainer.ckpt_path):
+            raise ValueError(
+                "fsdp=True: checkpoints of FSDP-sharded stages are not written or loaded yet. Pass "
+                "enable_checkpointing=False (and no ckpt_path), or use shard_optimizer=True, whose checkpoints move between layouts."
+            )
 
     def _stage_units(self, module, units, before: dict | None) -> list[list[str]]:
         """The units of every piece: the split of an earlier setup of this module, or a new one (rank 0 decides)."""
@@ -340,11 +358,11 @@ class AsyncPipelineStrategy(DDPStrategy):
         )
         return self.broadcast(stage_units)  # measured times differ per rank: rank 0 decides
 
-    def _prepare_stage(self, trainer, module, units, stage: RankStage, before: dict | None):
-        """Between building this rank's stage and its runtime: prune the module to it, move it, set up the optimizer."""
-        if before is None:
-            prune_to_stage(module, units, self.stage_units, self.stage, self.schedule_spec)
-            module._lightning_async_split = {"stage_units": self.stage_units, "tied": stage.tied}
+    def _prepare_rank(self, trainer, module, units, plan: RankPlan, first_setup: bool):
+        """Lightning's part before the rank is built: prune the module to the plan, move it, set up the optimizer."""
+        if first_setup:
+            plan.prune(module, units)
+            module._lightning_async_split = {"stage_units": plan.stage_units, "tied": plan.tied}
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -355,7 +373,7 @@ class AsyncPipelineStrategy(DDPStrategy):
         self.setup_precision_plugin()
         self._check_precision_and_cluster()
         # validate/test without fit: the runtime needs an optimizer object but never steps it
-        return self.optimizers[0] if self.optimizers else torch.optim.SGD(stage.module.parameters(), lr=0.0)
+        return self.optimizers[0] if self.optimizers else torch.optim.SGD(plan.rank_stage.module.parameters(), lr=0.0)
 
     def _check_precision_and_cluster(self) -> None:
         if getattr(self.precision_plugin, "scaler", None) is not None:
