@@ -153,8 +153,10 @@ def to_pipeline(ckpt: str | os.PathLike, out: str | os.PathLike, module: torch.n
     names = distributed.parameter_names(module)
     newest = [checkpoint["state_dict"][names[id(p)][0]] for p in params]
     rings = own.get("rings") or [[w, w] for w in newest]  # (saved before the first step: one version)
-    runtime = {"schedule": DELAYED_SCHEDULE, "batches_done": own["steps_taken"], "newest_slot": 0,
-               "slots": [newest, [ring[0] for ring in rings]], "correction": own.get("correction")}
+    older = [ring[0] for ring in rings]
+    newest_slot = (own["steps_taken"] + 1) % 2  # the runtime's batch b reads slot b % 2: the older version
+    runtime = {"schedule": DELAYED_SCHEDULE, "batches_done": own["steps_taken"], "newest_slot": newest_slot,
+               "slots": [newest, older] if newest_slot == 0 else [older, newest], "correction": own.get("correction")}
     rest = {k: v for k, v in checkpoint.items() if k not in ("optimizer_states", *_RUNTIME_KEYS)}
     rest["callbacks"] = {k: v for k, v in (rest.get("callbacks") or {}).items() if not k.startswith("DelaySimulation")}
     flat = distributed.rank_state({**rest, "optimizer_states": [states[0]["optimizer"]], "pipeline_runtime": runtime},
