@@ -15,6 +15,11 @@ is a Hugging Face one (``tokenizer: hf``, or the ``bpe`` trained on the corpus),
 Checkpoints of our own :class:`~lightning_async.lm.CausalLM` (the SmolLM2-style decoder) are written as a
 ``LlamaForCausalLM``: the architecture is Llama's (RMSNorm, RoPE in the half-split layout, grouped-query
 attention, SiLU-gated MLP), so only the names change (:data:`SMOLLM2_TO_LLAMA`).
+
+``--to one-device`` and ``--to pipeline`` convert a training checkpoint between the pipeline and the one-device delay
+simulation instead (:mod:`~lightning_async.pipeline.one_device`): a pipeline DCP checkpoint directory becomes the
+Lightning ``.ckpt`` of a ``strategy="auto"`` run with ``DelaySimulation(1)``, and back. The module (its parameter names
+and optimizer) is rebuilt from the checkpoint's hyperparameters: an ``HFCausalLM`` or a ``CausalLM``.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ SMOLLM2_TO_LLAMA = [
 
 
 DATA_HPARAMS = "datamodule_hyper_parameters"  # where Lightning keeps the data module's arguments in a checkpoint
+TARGETS = ("huggingface", "one-device", "pipeline")  # what --to writes
 
 
 def read_checkpoint(path: str) -> tuple[dict[str, torch.Tensor], dict, dict]:
@@ -153,19 +159,68 @@ def export(path: str, out_dir: str, dtype: str = "float32", tokenizer: bool = Tr
         return f"tokenizer: NOT written ({err}); the model is. Copy the tokenizer files into {out_dir} yourself."
 
 
+def training_module(path: str):
+    """The LightningModule a training checkpoint (pipeline DCP directory or ``.ckpt``) was saved from, rebuilt from
+    its hyperparameters with fresh weights: an ``HFCausalLM`` (``model`` holds the whole config) or a ``CausalLM``."""
+    if os.path.isdir(path) and distributed_checkpoint.is_distributed_checkpoint(resolve(path)):
+        hparams = dict(distributed_checkpoint.trainer_state(resolve(path)).get("hyper_parameters") or {})
+    elif os.path.isfile(path):
+        hparams = dict(torch.load(path, map_location="cpu", weights_only=False, mmap=True).get("hyper_parameters") or {})
+    else:
+        raise ValueError(f"{path} is neither a pipeline checkpoint of checkpoint_format='dcp' nor a Lightning .ckpt file: "
+                         "--to one-device reads the first (resume a stage-file checkpoint once with "
+                         "checkpoint_format='dcp' and save), --to pipeline the second.")
+    fields = hparams.get("model")
+    if isinstance(fields, dict) and "model_type" in fields:
+        from lightning_async.models.hf import HFCausalLM
+
+        return HFCausalLM(**hparams)
+    if isinstance(fields, str):
+        from lightning_async.lm import CausalLM
+
+        return CausalLM(**hparams)
+    raise ValueError(
+        f"{path} holds neither an HFCausalLM nor a CausalLM (hyperparameter model={fields!r}); for another module call "
+        "lightning_async.pipeline.one_device.to_one_device(CKPT, OUT, module) or to_pipeline(...) with your module."
+    )
+
+
+def convert(path: str, out: str, to: str) -> str:
+    """``--to one-device`` / ``--to pipeline``: write ``out``; return the line saying how to resume it."""
+    from lightning_async.pipeline import one_device
+
+    module = training_module(path)
+    if to == "one-device":
+        one_device.to_one_device(path, out, module)
+        return (f"resume it on one device: Trainer(strategy='auto', callbacks=[DelaySimulation(1), <the run's "
+                f"correction, e.g. ErrorFeedback(1.0)>]).fit(model, ckpt_path={out!r})")
+    one_device.to_pipeline(path, out, module)
+    return (f"resume it on a pipeline: AsyncPipelineStrategy(schedule='2bw', checkpoint_format='dcp', <the run's "
+            f"correction>), any stage and replica count, fit(ckpt_path={out!r})")
+
+
 def export_main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="lightning-async export",
         description="Write a training checkpoint of an HFCausalLM (or a CausalLM, as a Llama) as a Hugging Face model directory "
-        "(AutoModelForCausalLM.from_pretrained(OUT_DIR) loads it), with the run's tokenizer (AutoTokenizer.from_pretrained(OUT_DIR)).",
+        "(AutoModelForCausalLM.from_pretrained(OUT_DIR) loads it), with the run's tokenizer (AutoTokenizer.from_pretrained(OUT_DIR)); "
+        "or, with --to one-device / --to pipeline, convert it between the pipeline and the one-device delay simulation.",
     )
     parser.add_argument("checkpoint", help="pipeline checkpoint directory (meta.json + stage-NN.ckpt) or a Lightning .ckpt file")
-    parser.add_argument("out_dir", help="output directory (config.json, model.safetensors)")
+    parser.add_argument("out_dir", help="output directory (config.json, model.safetensors); with --to one-device a .ckpt "
+                        "file, with --to pipeline a checkpoint directory")
+    parser.add_argument("--to", choices=TARGETS, default="huggingface",
+                        help="huggingface (default): a model directory; one-device: a pipeline DCP checkpoint as the "
+                        "Lightning .ckpt of the one-device delay simulation (DelaySimulation(1)), to continue training; "
+                        "pipeline: such a one-device .ckpt as a pipeline DCP checkpoint")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weight dtype to save (default float32)")
     parser.add_argument("--no-tokenizer", action="store_true", help="write the model only, not the run's tokenizer")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        note = export(args.checkpoint, args.out_dir, args.dtype, tokenizer=not args.no_tokenizer)
+        if args.to == "huggingface":
+            note = export(args.checkpoint, args.out_dir, args.dtype, tokenizer=not args.no_tokenizer)
+        else:
+            note = convert(args.checkpoint, args.out_dir, args.to)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
