@@ -336,8 +336,10 @@ def refuse_pipeline_checkpoint(path: str | os.PathLike | None) -> None:
         return
     raise ValueError(
         f"{path} is a pipeline checkpoint (one file per stage: {len(stages)} stage file(s)); only the pipeline strategy "
-        f"can resume it. Resume with strategy=async_pipe (as many stages as it has), or evaluate/export its weights "
-        f"with `python -m lightning_async.pipeline.checkpoint {path} model.pt` and load model.pt into the plain module."
+        f"resumes it as it is. Resume with strategy=async_pipe (as many stages as it has), or evaluate/export its weights "
+        f"with `python -m lightning_async.pipeline.checkpoint {path} model.pt` and load model.pt into the plain module; to "
+        f"continue training it on one device, convert it: `lightning-async export {path} OUT.ckpt --to one-device` "
+        "(a checkpoint_format='dcp' one)."
     )
 
 
