@@ -5,8 +5,8 @@ follows step for step (``test_strategy.py``): the conversions of :mod:`lightning
 (``lightning-async export CKPT OUT --to one-device|pipeline``) carry both weight versions, the optimizer state by
 parameter name, the EF buffer, the step and the data position (the step-4 checkpoints fall mid-epoch).
 
-One spawn of two processes runs every pipeline fit: p=2 (2BW + EF + AdamW, DCP checkpoints at steps 4 and 8) and the
-continuation of a one-device checkpoint converted for it. (EF's u_prev is its ``previous_update`` buffer.)
+One spawn of two processes runs every pipeline fit: p=2 (2BW + EF + AdamW, DCP checkpoints at steps 4 and 8), the
+continuation of a one-device checkpoint converted for it, and p=2 under 1F1B (synchronous: one weight version). (EF's u_prev is its ``previous_update`` buffer.)
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ STEPS = 8  # checkpoints at steps 4 and 8 (test_strategy.fit: every 4 steps); re
 ORACLE = 2e-5  # pipeline vs its one-device simulation over a whole run (test_strategy.py's tolerance)
 
 
-def _strategy():
+def _strategy(schedule: str = "2bw"):
     from lightning_async.strategies import AsyncPipelineStrategy
 
-    return AsyncPipelineStrategy(pipeline_parallel_size=2, n_microbatches=2, checkpoint_format="dcp")
+    return AsyncPipelineStrategy(pipeline_parallel_size=2, n_microbatches=2, schedule=schedule, checkpoint_format="dcp")
 
 
 def _callbacks(pipeline: bool) -> list:
@@ -56,6 +56,7 @@ def _pipeline_fits(tmp: str) -> dict:
     out["from_one_device"] = fit(_strategy(), 2, callbacks=[*_callbacks(True), start],
                                  ckpt_path=os.path.join(tmp, "to-pipeline"))
     out["from_one_device_start"] = (start.weights, start.optimizer)
+    out["sync"] = fit(_strategy("1f1b"), 2, ckpt_dir=os.path.join(tmp, "sync"))
     return out
 
 
@@ -112,6 +113,15 @@ def test_a_pipeline_checkpoint_continues_on_one_device(runs, tmp_path):
     torch.save(broken, tmp_path / "one-version.ckpt")
     one_version, _ = fit("auto", 1, callbacks=_callbacks(False), ckpt_path=str(tmp_path / "one-version.ckpt"))
     assert _max_diff(one_version, _merged(pipeline, "p2")) > 1e-4
+
+
+def test_a_synchronous_pipeline_checkpoint_continues_as_plain_training(runs, tmp_path):
+    tmp, _, pipeline = runs
+    out = str(tmp_path / "sync.ckpt")
+    converted = one_device.to_one_device(os.path.join(tmp, "sync", "step=4.ckpt"), out, _module())
+    assert "delay" not in converted["optimizer_states"][0]  # one weight version: no DelaySimulation
+    continued, _ = fit("auto", 1, ckpt_path=out)
+    assert _max_diff(continued, _merged(pipeline, "sync")) < 1e-6
 
 
 def test_the_one_device_checkpoint_holds_the_pipelines_state(runs):
