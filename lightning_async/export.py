@@ -170,6 +170,7 @@ def training_module(path: str):
         raise ValueError(f"{path} is neither a pipeline checkpoint of checkpoint_format='dcp' nor a Lightning .ckpt file: "
                          "--to one-device reads the first (resume a stage-file checkpoint once with "
                          "checkpoint_format='dcp' and save), --to pipeline the second.")
+    hparams.pop("pretrained_from", None)  # (HFCausalLM's record of its source; not an argument)
     fields = hparams.get("model")
     if isinstance(fields, dict) and "model_type" in fields:
         from lightning_async.models.hf import HFCausalLM

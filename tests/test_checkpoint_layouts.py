@@ -23,7 +23,7 @@ from lightning_async.pipeline import distributed_checkpoint as distributed
 from lightning_async.pipeline import one_device
 from lightning_async.pipeline.checkpoint import consolidate
 from test_distributed_checkpoint import StartState
-from test_strategy import SHAPE, fit
+from test_strategy import SHAPE, _max_diff, fit
 
 pytestmark = pytest.mark.slow  # a spawn of two processes
 
@@ -76,11 +76,6 @@ def _merged(per_rank: list, key: str, part: int = 0) -> dict:
     for rank in per_rank:
         merged.update(rank[key][part])
     return merged
-
-
-def _max_diff(a: dict, b: dict) -> float:
-    assert set(a) == set(b)
-    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 def _saved(path: str, prefix: str) -> dict:
