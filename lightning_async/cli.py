@@ -39,7 +39,7 @@ TOOL_SUMMARIES = {
     "compare": "gap table, report and curves of finished runs (sync vs async)",
     "probe": "what the one-step delay costs your recipe, and the correction to use",
     "plan": "planning table: 1F1B vs 2BW time, bubble and memory per shape",
-    "export": "a training checkpoint as a Hugging Face model directory (--to one-device|pipeline: convert it)",
+    "export": "a checkpoint as a Hugging Face model (--to: one-device|pipeline)",
     "recipes": "list the shipped recipes, or copy one out to edit",
 }
 HELP_FLAGS = ("-h", "--help")
