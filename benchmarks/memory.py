@@ -7,11 +7,13 @@ Two parts, one table each:
   of processes per configuration (every schedule, ``2bw+ef``, ``2bw+ckpt``), built with ``pipeline.rank.plan_rank`` and ``build``
   like the strategy. Each rank reads ``PipelineRuntime.memory_report()`` (weight versions, optimizer state, EF
   buffer), measures the bytes one micro-batch of each of its chunks saves for the backward (``saved_tensors_hooks``),
-  and tracks at every action the peak of the activations in flight (every micro-batch forwarded and not yet
-  backwarded on a chunk, counted with that chunk's bytes, until its weight gradient when the backward is split),
-  the peak bytes of live gradient buffers, and the process's peak RSS growth (``VmHWM`` after resetting it; on CUDA
+  and tracks at every action the peak of the activations held: every micro-batch forwarded and not yet
+  backwarded on a chunk (``B``, or ``I`` when the backward is split), counted with that chunk's bytes, plus the
+  storages the split backwards' deferred weight gradients hold until their ``W`` (the linear layers' inputs and
+  output gradients, read off the runtime's ``DeferredWeightGrads``); the peak bytes of live gradient buffers, and the process's peak RSS growth (``VmHWM`` after resetting it; on CUDA
   ``torch.cuda.max_memory_allocated`` growth instead). Next to it the model, ``timing.schedule_memory``: weight
-  versions, optimizer state, a gradient accumulator, EF's buffer, and the simulator's peak in-flight micro-batches.
+  versions, optimizer state, a gradient accumulator, EF's buffer, and the activations of the schedule's replay
+  (each micro-batch's saved bytes from ``F`` to ``B``/``I``, its measured weight-gradient bytes from ``I`` to ``W``).
 * **analytic** (``smollm2-135m`` and ``smollm2-360m`` at p in {4, 8}, m = 2p): ``measure.measure_model`` sizes one
   embedding, block and head (fp32, activations saved for backward per micro-batch, the head measured on 256
   tokens and scaled), ``stage_costs_from_measurement`` splits the layers evenly, and ``schedule_memory`` gives the
@@ -61,8 +63,9 @@ from lightning_async.pipeline.boundary import flatten  # noqa: E402
 from lightning_async.pipeline.fsdp import check_fsdp_applicable, local  # noqa: E402
 from lightning_async.pipeline.rank import build, plan_rank  # noqa: E402
 from lightning_async.pipeline.stage import StageModule  # noqa: E402
-from lightning_async.pipeline.measure import SavedTensorBytes, measure_model  # noqa: E402
+from lightning_async.pipeline.measure import SavedTensorBytes, measure_model, weight_grad_bytes  # noqa: E402
 from lightning_async.pipeline.timing import schedule_memory  # noqa: E402
+from lightning_async.pipeline.weight_grad import storage_bytes  # noqa: E402
 from lightning_async.tools.stage_costs import stage_costs_from_measurement  # noqa: E402
 
 # config -> (schedule, EF strength, activation checkpointing)
@@ -138,6 +141,22 @@ def activation_bytes(
     return counter.total
 
 
+def deferred_bytes(module: StageModule, x: torch.Tensor, targets: torch.Tensor, last: bool, context) -> int:
+    """Bytes one micro-batch of ``module`` keeps from a split backward's ``I`` to its ``W`` (the linear layers'
+    inputs and output gradients, :func:`~lightning_async.pipeline.measure.weight_grad_bytes`)."""
+    if x.is_floating_point():
+        x = x.detach().requires_grad_(True)
+
+    def step():
+        y = module(x, context=context)
+        if last:
+            return next_token_loss(y, targets).backward
+        grad = torch.ones_like(y)  # (a full tensor, as a received gradient is)
+        return lambda: y.backward(grad)
+
+    return weight_grad_bytes(module, step)
+
+
 def measured_worker(cfg: dict) -> dict:
     rank, p = dist.get_rank(), cfg["p"]
     device = torch.device(cfg["device"], rank) if cfg["device"] == "cuda" else torch.device("cpu")
@@ -163,6 +182,8 @@ def measured_worker(cfg: dict) -> dict:
     last = spec.virtual_stages(p) - 1
     act = [activation_bytes(chunk, x, targets, k == last, context_fn(inputs), recompute)
            for chunk, x, k in zip(stage.chunks, firsts, pieces)]
+    residue = [deferred_bytes(chunk, x, targets, k == last, context_fn(inputs)) if spec.split_backward else 0
+               for chunk, x, k in zip(stage.chunks, firsts, pieces)]
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -177,12 +198,17 @@ def measured_worker(cfg: dict) -> dict:
         fsdp=cfg["sharding"] == "fsdp",
     )
     runtime = built.runtime
-    peak = {"inflight": 0, "activations": 0, "grads": 0}
+    peak = {"inflight": 0, "deferred": 0, "activations": 0, "grads": 0}
+    weights = [t for slot in runtime.slots for t in slot]
 
     def sample():
-        held = list(runtime._inflight) + list(runtime._deferred)  # (chunk, mb): forwarded, weight gradient not done
+        # (chunk, mb) forwarded and not yet backwarded (B, or I when split): what autograd saved for it; and the
+        # tensors the deferred weight gradients of split backwards hold until their W, read off the runtime
+        held, deferred = list(runtime._inflight), list(runtime._deferred.values())
         peak["inflight"] = max(peak["inflight"], len(held))
-        peak["activations"] = max(peak["activations"], sum(act[c] for c, _ in held))
+        peak["deferred"] = max(peak["deferred"], len(deferred))
+        kept = storage_bytes([t for d in deferred for t in d.held], exclude=weights)
+        peak["activations"] = max(peak["activations"], sum(act[c] for c, _ in held) + kept)
         grads = [t.grad for slot in runtime.slots for t in slot]
         grads += [x for pending in runtime._pending.values() for x in pending.grads]
         peak["grads"] = max(peak["grads"], _nbytes(grads))
@@ -209,8 +235,10 @@ def measured_worker(cfg: dict) -> dict:
     elapsed = time.perf_counter() - t0
     rss0 = measure["rss0"]
     out = dict(runtime.memory_report(), stage=rank % p, replica=rank // p, activation_bytes_per_chunk=act,
-               activation_bytes_per_microbatch=sum(act))
+               activation_bytes_per_microbatch=sum(act), weight_grad_bytes_per_chunk=residue,
+               weight_grad_bytes_per_microbatch=sum(residue))
     out["peak_inflight_microbatches"] = peak["inflight"]
+    out["peak_deferred_weight_grads"] = peak["deferred"]
     out["peak_activation_bytes"] = peak["activations"]
     out["peak_gradient_bytes"] = peak["grads"]
     out["rss_base_bytes"] = (rss0 or 0) * 1024
@@ -237,10 +265,11 @@ def measured(args, dp: int = 1, sharding: str = "none") -> list[dict]:
                 continue
         ranks = spawn(args.p * dp, cfg)
         spec = schedules.spec(schedule)
-        piece_bytes = [0] * spec.virtual_stages(args.p)
+        piece_bytes, piece_residue = [0] * spec.virtual_stages(args.p), [0] * spec.virtual_stages(args.p)
         for r in ranks:
-            for c, nbytes in enumerate(r["activation_bytes_per_chunk"]):
+            for c, (nbytes, kept) in enumerate(zip(r["activation_bytes_per_chunk"], r["weight_grad_bytes_per_chunk"])):
                 piece_bytes[spec.piece(r["stage"], c, args.p)] = nbytes
+                piece_residue[spec.piece(r["stage"], c, args.p)] = kept
         first = ranks[: args.p]  # replica 0's stages (the model's inputs); under sharding, the whole stage's state
         whole = [sum(r["optimizer_state"] for r in ranks if r["stage"] == s) if shard else first[s]["optimizer_state"]
                  for s in range(args.p)]
@@ -248,6 +277,7 @@ def measured(args, dp: int = 1, sharding: str = "none") -> list[dict]:
             schedule, args.p, args.m, [r["parameters"] for r in first], whole,
             piece_bytes if spec.chunks > 1 else [r["activation_bytes_per_microbatch"] for r in first],
             correction_buffers=1 if ef else 0, data_parallel_size=dp, shard_optimizer=shard,
+            weight_grad_bytes=piece_residue if spec.chunks > 1 else [r["weight_grad_bytes_per_microbatch"] for r in first],
         )
         for r in ranks:
             theory = model[r["stage"]] if sharding != "fsdp" else dict.fromkeys(model[r["stage"]])
@@ -295,7 +325,8 @@ def analytic(args) -> list[dict]:
         for p in args.analytic_stages:
             m = 2 * p
             costs = stage_costs_from_measurement(meas, p, optimizer_states=2)
-            per = {s: schedule_memory(s, p, m, costs["param_bytes"], costs["optimizer_bytes"], costs["activation_bytes"])
+            per = {s: schedule_memory(s, p, m, costs["param_bytes"], costs["optimizer_bytes"], costs["activation_bytes"],
+                                      weight_grad_bytes=costs["weight_grad_bytes"])
                    for s in ANALYTIC_SCHEDULES}
             ef = schedule_memory("2bw", p, m, costs["param_bytes"], costs["optimizer_bytes"], costs["activation_bytes"],
                                  correction_buffers=1)

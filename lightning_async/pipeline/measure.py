@@ -75,6 +75,25 @@ def time_unit(fn, device, reps: int, count_activations: bool = False, params=())
     return min(fwd), min(bwd), counter.total
 
 
+def weight_grad_bytes(module: nn.Module, fn) -> int:
+    """Bytes one micro-batch of ``module`` keeps from its input-gradient action ``I`` to its weight-gradient action
+    ``W`` when the backward is split (zero-bubble schedules): the linear layers' inputs and output gradients that
+    :class:`~lightning_async.pipeline.weight_grad.DeferredWeightGrads` holds, measured by running ``fn() ->
+    backward_closure`` once with the split (``module``'s linear layers become split-backward ones, as the runtime
+    makes them; the deferred products are dropped, not computed)."""
+    from lightning_async.pipeline.weight_grad import DeferredWeightGrads, split_linear_backward
+
+    split_linear_backward(module)
+    deferred = DeferredWeightGrads()
+    backward = fn()
+    with deferred.collecting():
+        backward()
+    held = deferred.held_bytes(exclude=module.parameters())
+    for p in module.parameters():
+        p.grad = None
+    return held
+
+
 def measure_unit_times(
     units: Sequence[nn.Module], example, repeats: int = 2, context_fn: Callable | None = None
 ) -> list[float]:
@@ -118,8 +137,9 @@ def measure_model(
     """Time and size one embedding, one decoder block and the LM head (with the loss) of ``name``.
 
     Returns per-unit ``forward_s``, ``backward_s``, ``params`` (elements), ``param_bytes`` and ``activation_bytes``
-    (saved for backward, per micro-batch) for ``embed``, ``block`` and ``head``, plus ``boundary_bytes`` (the
-    activation sent between stages) and the measurement settings.
+    (saved for backward, per micro-batch) and ``weight_grad_bytes`` (what a split backward keeps from ``I`` to ``W``,
+    :func:`weight_grad_bytes`) for ``embed``, ``block`` and ``head``, plus ``boundary_bytes`` (the activation sent
+    between stages) and the measurement settings.
     """
     import torch.nn.functional as F
 
@@ -165,6 +185,7 @@ def measure_model(
     for unit, module, fn in (("embed", model.embed, embed_step), ("block", block, block_step), ("head", model.head, head_step)):
         params = list(module.parameters())
         tf, tb, act = time_unit(fn, dev, reps, count_activations=True, params=params)
+        held = weight_grad_bytes(module, fn)
         scale = head_scale if unit == "head" else 1.0
         numel = sum(p.numel() for p in params)  # the head counts the tied weight: each stage keeps its own copy
         units[unit] = {
@@ -173,6 +194,7 @@ def measure_model(
             "params": numel,
             "param_bytes": numel * torch.empty((), dtype=dt).element_size(),
             "activation_bytes": int(act * scale),
+            "weight_grad_bytes": int(held * scale),
         }
     elem = torch.empty((), dtype=dt).element_size()
     return {

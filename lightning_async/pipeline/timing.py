@@ -38,6 +38,7 @@ from lightning_async.pipeline.program import APPLY_UPDATE, Step, lower
 __all__ = [
     "DeadlockError",
     "SimResult",
+    "WEIGHT_GRAD_SHARE",
     "StageMemory",
     "memory_model",
     "predict",
@@ -324,47 +325,81 @@ def simulate(
     )
 
 
-def peak_activation_bytes(schedule: "str | ScheduleSpec", lists: Sequence[Sequence[Action]], piece_bytes: Sequence[float]) -> list[float]:
-    """Per rank, replaying its list: the peak of the activation bytes held (each micro-batch forwarded on a piece
-    counts that piece's bytes until its backward, or its weight gradient when the backward is split)."""
+#: what a split backward keeps of a micro-batch from ``I`` to ``W``, as a share of its activations, when the bytes
+#: are not given: a decoder block's linear-layer inputs and output gradients are about 70% of what it saves for the
+#: backward (``stage_costs.nominal_model``; measured 0.70 on SmolLM2 blocks, ``measure.weight_grad_bytes``)
+WEIGHT_GRAD_SHARE = 0.7
+
+
+def _activation_changes(a: Action, full: float, residue: float) -> tuple[float, float]:
+    """``(change of the activation bytes held, change of the micro-batches held in full)`` after action ``a`` on a
+    piece whose micro-batch saves ``full`` bytes for its backward and keeps ``residue`` of them from ``I`` to ``W``:
+
+    * ``F``: ``+full`` (everything autograd saves for the backward);
+    * ``B`` (a whole backward): ``-full``;
+    * ``I`` (a split backward's input gradient): ``-full + residue``: autograd frees the graph, and only what the
+      deferred weight gradients need stays, each linear layer's input and output gradient
+      (:mod:`~lightning_async.pipeline.weight_grad`);
+    * ``W``: ``-residue``.
+    """
+    if a.kind == FORWARD:
+        return full, 1
+    if a.kind == BACKWARD:
+        return -full, -1
+    if a.kind == INPUT_GRAD:
+        return residue - full, -1
+    if a.kind == WEIGHT_GRAD:
+        return -residue, 0
+    return 0.0, 0
+
+
+def peak_activation_bytes(schedule: "str | ScheduleSpec", lists: Sequence[Sequence[Action]], piece_bytes: Sequence[float],
+                          weight_grad_bytes: Sequence[float] | None = None) -> list[float]:
+    """Per rank, replaying its list: the peak of the activation bytes held after each action.
+
+    A micro-batch forwarded on a piece holds that piece's ``piece_bytes`` (what autograd saves for the backward)
+    from its ``F`` until its backward: a whole ``B`` frees them; a split backward's ``I`` frees them but for the
+    piece's ``weight_grad_bytes`` (the linear layers' inputs and output gradients the deferred weight gradients
+    need; default :data:`WEIGHT_GRAD_SHARE` of ``piece_bytes``), which its ``W`` frees.
+    """
     s_ = spec(schedule)
-    releases = WEIGHT_GRAD if s_.split_backward else BACKWARD
+    residue = [b * WEIGHT_GRAD_SHARE for b in piece_bytes] if weight_grad_bytes is None else list(weight_grad_bytes)
     p, peaks = len(lists), []
     for r, actions in enumerate(lists):
         held = peak = 0.0
         for a in actions:
-            if a.kind == FORWARD:
-                held += piece_bytes[s_.piece(r, a.chunk, p)]
-            elif a.kind == releases:
-                held -= piece_bytes[s_.piece(r, a.chunk, p)]
+            if a.kind != UPDATE:
+                k = s_.piece(r, a.chunk, p)
+                held += _activation_changes(a, piece_bytes[k], residue[k])[0]
             peak = max(peak, held)
         peaks.append(peak)
     return peaks
 
 
 def inflight_and_versions(schedule: "str | ScheduleSpec", lists: Sequence[Sequence[Action]]) -> tuple[list[float], list[int]]:
-    """Per rank, replaying its list: the peak activations in flight, in micro-batches of the rank's whole share
-    (a chunk's micro-batch counts ``1/v``; held from ``F`` until ``B``, or until ``W`` when the backward is split),
-    and the peak number of live weight versions."""
+    """Per rank, replaying its list: the peak of the micro-batches whose activations are held in full, in
+    micro-batches of the rank's whole share (a chunk's micro-batch counts ``1/v``; held from ``F`` until ``B``, or
+    until ``I`` when the backward is split: after it only the weight gradients' inputs stay, see
+    :func:`peak_activation_bytes`), and the peak number of live weight versions (a micro-batch's version stays live
+    until its last backward action, ``W`` when split: its weight gradient accumulates into that version)."""
     s_ = spec(schedule)
-    releases = WEIGHT_GRAD if s_.split_backward else BACKWARD
+    last = WEIGHT_GRAD if s_.split_backward else BACKWARD
     peaks, versions = [], []
     for actions in lists:
-        inflight: dict[int, int] = {}  # batch -> (chunk, micro-batch) activations held
+        reading: dict[int, int] = {}  # batch -> (chunk, micro-batch) pairs whose last backward action is to come
         updates, peak, live_peak, count = 0, 0, 1, 0
         for a in actions:
+            count += _activation_changes(a, 0.0, 0.0)[1]
             if a.kind == FORWARD:
-                inflight[a.batch] = inflight.get(a.batch, 0) + 1
-                count += 1
-            elif a.kind == releases:
-                inflight[a.batch] -= 1
-                count -= 1
-                if not inflight[a.batch]:
-                    del inflight[a.batch]
+                reading[a.batch] = reading.get(a.batch, 0) + 1
+            elif a.kind == last:
+                reading[a.batch] -= 1
+                if not reading[a.batch]:
+                    del reading[a.batch]
             elif a.kind == UPDATE:
                 updates += 1
             peak = max(peak, count)
-            live = {updates} | {_version_used(s_, b) for b in inflight}
+            live = {updates} | {_version_used(s_, b) for b in reading}
             live_peak = max(live_peak, len(live))
         peaks.append(peak / s_.chunks if s_.chunks > 1 else peak)
         versions.append(live_peak)
@@ -483,11 +518,18 @@ def schedule_memory(
     grad_bytes: int | Sequence[int] | None = None,
     data_parallel_size: int = 1,
     shard_optimizer: bool = False,
+    weight_grad_bytes: int | Sequence[int] | None = None,
 ) -> list[dict[str, int]]:
     """Per rank, the bytes ``schedule`` holds at its peak: weights (one version per ``weight_versions``), one
-    gradient accumulator, optimizer state, a correction's parameter-sized buffers (EF: 1), and the activations of the
-    micro-batches in flight at the peak (:func:`peak_activation_bytes`: held from a micro-batch's forward until its
-    backward, or its weight gradient when the backward is split).
+    gradient accumulator, optimizer state, a correction's parameter-sized buffers (EF: 1), and the activations held
+    at the peak (:func:`peak_activation_bytes`).
+
+    Activations, per micro-batch and piece: from ``F`` to ``B`` (or to ``I``, the input gradient of a split
+    backward) everything autograd saves for the backward, ``activation_bytes``; from ``I`` to ``W`` (zero-bubble
+    schedules: ``zbh1``, ``zbv``, ``2bw-split``) only what the deferred weight gradients need, the linear layers'
+    inputs and output gradients, ``weight_grad_bytes`` (per micro-batch, in the same form as ``activation_bytes``;
+    default :data:`WEIGHT_GRAD_SHARE` of it; ``stage_costs`` gives both). So ZB-H1's peak is 1F1B's plus the
+    weight-gradient residue of the micro-batches whose ``W`` it defers, not their whole activations.
 
     ``param_bytes``/``optimizer_bytes``/``grad_bytes`` (default ``param_bytes``): a rank's share, a scalar or one value
     per rank, the same whatever the schedule. ``activation_bytes``: what one micro-batch saves for the backward on a
@@ -509,7 +551,8 @@ def schedule_memory(
 
     params, opt = per(param_bytes, "param_bytes"), per(optimizer_bytes, "optimizer_bytes")
     piece_bytes = _per_piece(activation_bytes, s_, p, "activation_bytes")
-    activations = peak_activation_bytes(s_, lists, piece_bytes)
+    residue = None if weight_grad_bytes is None else _per_piece(weight_grad_bytes, s_, p, "weight_grad_bytes")
+    activations = peak_activation_bytes(s_, lists, piece_bytes, residue)
     grads = params if grad_bytes is None else per(grad_bytes, "grad_bytes")
     out = []
     for r in range(p):

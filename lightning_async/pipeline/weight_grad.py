@@ -6,7 +6,9 @@ so it can fill a bubble). Autograd computes both in one pass; computing them in 
 input-gradient chain. So, as Megatron-LM's zero-bubble implementation does, the split happens inside the linear
 layers, where nearly all the weight-gradient work is: a linear layer's backward returns its input gradient at once
 and, while a :class:`DeferredWeightGrads` is collecting, defers ``dW = dY^T X``, a product of tensors it already
-holds. ``W`` then computes the deferred products and accumulates them into the weights' ``.grad``, exactly
+holds. Between ``I`` and ``W`` a micro-batch therefore keeps, per linear layer, its input ``X`` and its output
+gradient ``dY`` (and nothing else of its activations: autograd frees the rest of the graph in ``I``);
+:meth:`DeferredWeightGrads.held_bytes` counts them. ``W`` then computes the deferred products and accumulates them into the weights' ``.grad``, exactly
 as autograd would have (the same products, summed in another order). Every other weight (norms, biases,
 embeddings) gets its gradient in ``I`` as usual. Outside a collection the linear layers behave like
 ``nn.Linear``.
@@ -18,7 +20,7 @@ class but for ``forward``: parameters, ``state_dict`` and ``isinstance`` are unc
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -31,6 +33,7 @@ class DeferredWeightGrads:
 
     def __init__(self) -> None:
         self.deferred: list[Callable[[], None]] = []
+        self.held: list[torch.Tensor] = []  # the tensors the deferred products keep alive until compute()
 
     @contextlib.contextmanager
     def collecting(self) -> Iterator["DeferredWeightGrads"]:
@@ -41,18 +44,33 @@ class DeferredWeightGrads:
         finally:
             _collecting.pop()
 
-    def defer(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` (which accumulates a weight gradient into ``.grad``) in :meth:`compute` instead of now."""
+    def defer(self, fn: Callable[[], None], *holds: torch.Tensor) -> None:
+        """Run ``fn`` (which accumulates a weight gradient into ``.grad``) in :meth:`compute` instead of now.
+        ``holds``: the tensors ``fn`` keeps alive until then (a linear layer's input and output gradient), for
+        :meth:`held_bytes`."""
         self.deferred.append(fn)
+        self.held += holds
+
+    def held_bytes(self, exclude: Iterable[torch.Tensor] = ()) -> int:
+        """Bytes of the storages the deferred products hold (each storage once; ``exclude``: the weights): what a
+        micro-batch keeps between its ``I`` and its ``W``."""
+        return storage_bytes(self.held, exclude)
 
     def compute(self) -> None:
         """Run every deferred weight gradient (frees the tensors they hold)."""
-        deferred, self.deferred = self.deferred, []
+        deferred, self.deferred, self.held = self.deferred, [], []
         for fn in deferred:
             fn()
 
     def __len__(self) -> int:
         return len(self.deferred)
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor], exclude: Iterable[torch.Tensor] = ()) -> int:
+    """Bytes of the distinct storages behind ``tensors``, less those behind ``exclude``."""
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    sizes = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(n for ptr, n in sizes.items() if ptr not in skip)
 
 
 def collecting_now() -> DeferredWeightGrads | None:
@@ -90,7 +108,7 @@ class _Linear(torch.autograd.Function):
             collection = collecting_now()
             if collection is not None:
                 x, dy_ = x.detach(), dy.detach()
-                collection.defer(lambda: accumulate_grad(weight, _linear_weight_grad(weight, x, dy_)))
+                collection.defer(lambda: accumulate_grad(weight, _linear_weight_grad(weight, x, dy_)), x, dy_)
             else:
                 dw = _linear_weight_grad(weight, x, dy)
         db = dy.reshape(-1, dy.shape[-1]).sum(0).to(ctx.bias_dtype) if ctx.bias_dtype is not None and ctx.needs_input_grad[2] else None

@@ -145,7 +145,8 @@ def compare_row(p: int, m: int, costs: dict, comm_s: float, update_s: float, num
         entry = {"per_batch_s": r.per_batch_time, "bubble": r.bubble, "peak_inflight": max(r.peak_inflight)}
         if costs.get("param_bytes") is not None:
             mem = schedule_memory(s_, p, m, costs["param_bytes"], costs["optimizer_bytes"], costs["activation_bytes"],
-                                  data_parallel_size=data_parallel, shard_optimizer=sharded)
+                                  data_parallel_size=data_parallel, shard_optimizer=sharded,
+                                  weight_grad_bytes=costs.get("weight_grad_bytes"))
             entry["peak_bytes"] = max(x["total"] for x in mem)
             entry["fits"] = budget_bytes is None or entry["peak_bytes"] <= budget_bytes
         row["schedules"][name] = entry
@@ -457,6 +458,7 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
             print(
                 f"  {unit:5s} forward {_fmt_time(d['forward_s']):>9s}  backward {_fmt_time(d['backward_s']):>9s}  "
                 f"params {d['params'] / 1e6:7.2f}M  activations {_fmt_bytes(d['activation_bytes'])}"
+                f" (I to W: {_fmt_bytes(d['weight_grad_bytes'])})"
             )
         if meas["head_tokens"] < meas["seq_len"]:
             print(f"  (head timed on {meas['head_tokens']} tokens, scaled linearly to {meas['seq_len']})")

@@ -28,6 +28,12 @@ def nominal_model(
     Activation bytes are an estimate of what one block saves for backward: per token, 9 hidden-sized, 4
     key/value-sized and 4 FFN-sized tensors (norm inputs and outputs, q/k/v and their rotations, attention
     output, gate/up/SiLU/product); the head saves its input, the logits and their fp32 log-probabilities.
+    ``weight_grad_bytes`` is what a split backward (zero-bubble schedules) keeps of a micro-batch from its input
+    gradient to its weight gradient: each linear layer's input and output gradient (the runtime defers
+    ``dW = dY^T X``, :mod:`~lightning_async.pipeline.weight_grad`), per token 6 hidden-sized (the two norm
+    outputs, the attention output and the gradients of q, o and down), 2 key/value-sized (k, v) and 3 FFN-sized
+    (the product's input to down, the gradients of gate and up) tensors in a block (about 70% of its
+    activations); the head keeps its input and the logits' gradient; the embedding nothing (not a linear layer).
     """
     import torch
 
@@ -51,6 +57,7 @@ def nominal_model(
         "block": tokens * (9 * h + 4 * kv + 4 * cfg.ffn_size) * elem,
         "head": tokens * (h * elem + (elem + 4) * v),
     }
+    weight_grad = {"embed": 0, "block": tokens * (6 * h + 2 * kv + 3 * cfg.ffn_size) * elem, "head": tokens * (h + v) * elem}
     units = {
         unit: {
             "forward_s": flops[unit] / (tflops * 1e12),
@@ -58,6 +65,7 @@ def nominal_model(
             "params": params[unit],
             "param_bytes": params[unit] * elem,
             "activation_bytes": activations[unit],
+            "weight_grad_bytes": weight_grad[unit],
         }
         for unit in ("embed", "block", "head")
     }
@@ -104,7 +112,8 @@ def balanced_layers(num_layers: int, p: int, block_cost: float, first_extra: flo
 
 
 def stage_costs_from_measurement(meas: dict, p: int, optimizer_states: float, split: str = "even") -> dict:
-    """Per-stage forward/backward seconds and parameter, optimizer and activation bytes for ``p`` stages.
+    """Per-stage forward/backward seconds and parameter, optimizer, activation and weight-gradient (held from a split
+    backward's ``I`` to its ``W``) bytes for ``p`` stages.
 
     ``split``: ``even`` (:func:`split_layers`) or ``balanced`` (:func:`balanced_layers` on forward + backward time).
     """
@@ -114,11 +123,12 @@ def stage_costs_from_measurement(meas: dict, p: int, optimizer_states: float, sp
         layers = balanced_layers(meas["num_layers"], p, cost["block"], cost["embed"], cost["head"])
     else:
         layers = split_layers(meas["num_layers"], p)
-    out = {k: [] for k in ("layers", "forward_s", "backward_s", "params", "param_bytes", "optimizer_bytes", "activation_bytes")}
+    summed = ("forward_s", "backward_s", "params", "param_bytes", "activation_bytes", "weight_grad_bytes")
+    out = {k: [] for k in ("layers", "optimizer_bytes", *summed)}
     for s, n in enumerate(layers):
         parts = [("block", n)] + ([("embed", 1)] if s == 0 else []) + ([("head", 1)] if s == p - 1 else [])
         out["layers"].append(n)
-        for key in ("forward_s", "backward_s", "params", "param_bytes", "activation_bytes"):
+        for key in summed:
             out[key].append(sum(u[unit][key] * k for unit, k in parts))
         out["optimizer_bytes"].append(int(optimizer_states * 4 * out["params"][-1]))
     return out
