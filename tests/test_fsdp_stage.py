@@ -22,11 +22,13 @@ from lightning_async.pipeline import schedules
 from lightning_async.pipeline.fsdp import check_fsdp_applicable, check_optimizer, shard_chunks
 from lightning_async.pipeline.mesh import PipelineMesh
 
-STEPS = 6
-# Keyed by the number of processes (2 stages x 2 or x 3 replicas): (schedule, optimizer, clip).
+STEPS = 9  # (more than the first updates after a drain: a stale FSDP prefetch showed only from batch 7)
+# Keyed by the number of processes (2 stages x 2 or x 3 replicas): (schedule, optimizer, EF strength, clip).
 SCENARIOS = {
-    4: [("1f1b", "adamw", 1.0), ("gpipe", "lion", None), ("interleaved", "adamw", 0.5)],
-    6: [("1f1b", "adamw", 1.0), ("gpipe", "adan", 1.0), ("interleaved", "mars", None)],
+    4: [("1f1b", "adamw", 0.0, 1.0), ("gpipe", "lion", 0.0, None), ("interleaved", "adamw", 0.0, 0.5),
+        ("2bw", "adamw", 1.0, 1.0)],
+    6: [("1f1b", "adamw", 0.0, 1.0), ("gpipe", "adan", 0.0, 1.0), ("interleaved", "mars", 0.0, None),
+        ("2bw", "lion", 1.0, None), ("2bw", "adan", 0.0, 1.0)],
 }
 # batches of 24 rows: every replica's share splits into 2 micro-batches for 2 and 3 replicas
 WORKLOAD = dataclasses.replace(harness.SMOLLM2, make_batches=functools.partial(harness.make_batches, batch_size=24))
@@ -34,9 +36,9 @@ WORKLOAD = dataclasses.replace(harness.SMOLLM2, make_batches=functools.partial(h
 
 def _both(world: int) -> dict:
     out = {}
-    for schedule, optimizer, clip in SCENARIOS[world]:
+    for schedule, optimizer, ef, clip in SCENARIOS[world]:
         out[schedule, optimizer] = [
-            pipeline_run(2, schedule, optimizer, 0.0, STEPS, clip, m=2, drain_at=(3,), workload=WORKLOAD, fsdp=fsdp)
+            pipeline_run(2, schedule, optimizer, ef, STEPS, clip, m=2, drain_at=(3,), workload=WORKLOAD, fsdp=fsdp)
             for fsdp in (False, True)
         ]
     if world == 4:
@@ -50,12 +52,13 @@ def _fit_both() -> list:
     from test_strategy import fit
 
     as_torchrun()
-    runs = []
-    for fsdp in (False, True):
-        strategy = AsyncPipelineStrategy(schedule="1f1b", pipeline_parallel_size=2, n_microbatches=2, fsdp=fsdp)
-        state, metrics = fit(strategy, 4)
-        assert all(hasattr(v, "full_tensor") for v in state.values()) == fsdp  # sharded DTensors under FSDP only
-        runs.append(({k: whole(v) for k, v in state.items()}, metrics))
+    runs = {}
+    for schedule in ("1f1b", "2bw"):
+        for fsdp in (False, True):
+            strategy = AsyncPipelineStrategy(schedule=schedule, pipeline_parallel_size=2, n_microbatches=2, fsdp=fsdp)
+            state, metrics = fit(strategy, 4)
+            assert all(hasattr(v, "full_tensor") for v in state.values()) == fsdp  # sharded DTensors under FSDP only
+            runs.setdefault(schedule, []).append(({k: whole(v) for k, v in state.items()}, metrics))
     return runs
 
 
@@ -69,7 +72,7 @@ def fsdp_results(request):
 def test_fsdp_equals_unsharded(fsdp_results):
     world, per_rank = fsdp_results
     for rank, results in enumerate(per_rank):
-        for (schedule, optimizer, _), (plain, sharded) in zip(SCENARIOS[world], (results[s[:2]] for s in SCENARIOS[world])):
+        for (schedule, optimizer, *_), (plain, sharded) in zip(SCENARIOS[world], (results[s[:2]] for s in SCENARIOS[world])):
             where = f"{world} processes, {schedule}/{optimizer}, rank {rank}"
             assert plain[0].keys() == sharded[0].keys(), where
             worst = max((plain[0][n] - sharded[0][n]).abs().max().item() for n in plain[0])
@@ -81,16 +84,16 @@ def test_fsdp_equals_unsharded(fsdp_results):
 def test_each_replica_holds_its_share(fsdp_results):
     world, per_rank = fsdp_results
     mesh = PipelineMesh.from_world(world, 2)
-    for schedule, optimizer, _ in SCENARIOS[world]:
+    for schedule, optimizer, *_ in SCENARIOS[world]:
         for stage in range(2):
             ranks = [r for r in range(world) if mesh.stage_of(r) == stage]
             plain, sharded = zip(*((run[4] for run in per_rank[r][schedule, optimizer]) for r in ranks))
-            for term in ("parameters", "optimizer_state"):
+            for term in ("parameters", "weight_versions", "optimizer_state", "correction"):
                 where = f"{schedule}/{optimizer} stage {stage} {term}"
                 assert all(p[term] == plain[0][term] for p in plain), where  # unsharded: every replica the whole
                 # the shards add up to the whole (the optimizer's scalar step counters aside), none much over 1/dp
                 assert sum(x[term] for x in sharded) == pytest.approx(plain[0][term], rel=0.01), where
-                assert max(x[term] for x in sharded) < plain[0][term] * (1 / len(ranks) + 0.05), where
+                assert max(x[term] for x in sharded) <= plain[0][term] * (1 / len(ranks) + 0.05), where
 
 
 @pytest.mark.slow
@@ -98,17 +101,16 @@ def test_each_replica_holds_its_share(fsdp_results):
 def test_the_strategy_fits_the_same_under_fsdp(fsdp_results):
     world, per_rank = fsdp_results
     for rank, results in enumerate(per_rank):
-        (plain, plain_metrics), (sharded, sharded_metrics) = results["strategy"]
-        worst = max((plain[k] - sharded[k]).abs().max().item() for k in plain)
-        assert worst < 1e-6, f"rank {rank}: max |diff| = {worst}"
-        assert plain_metrics.keys() == sharded_metrics.keys() and plain_metrics
-        for k in plain_metrics:
-            assert plain_metrics[k] == pytest.approx(sharded_metrics[k], abs=1e-6), k
+        for schedule, ((plain, plain_metrics), (sharded, sharded_metrics)) in results["strategy"].items():
+            worst = max((plain[k] - sharded[k]).abs().max().item() for k in plain)
+            assert worst < 1e-6, f"{schedule}, rank {rank}: max |diff| = {worst}"
+            assert plain_metrics.keys() == sharded_metrics.keys() and plain_metrics
+            for k in plain_metrics:
+                assert plain_metrics[k] == pytest.approx(sharded_metrics[k], abs=1e-6), (schedule, k)
 
 
 @pytest.mark.parametrize("schedule, replicas, kwargs, match", [
-    ("2bw", 2, {}, "two weight versions"),
-    ("2bw-split", 2, {}, "two weight versions"),
+    ("2bw-split", 2, {}, "splits the backward"),
     ("zbh1", 2, {}, "splits the backward"),
     ("zbv", 2, {}, "splits the backward"),
     ("1f1b", 1, {}, "Add replicas"),
@@ -118,11 +120,12 @@ def test_the_strategy_fits_the_same_under_fsdp(fsdp_results):
 def test_what_fsdp_cannot_run_is_refused(schedule, replicas, kwargs, match):
     with pytest.raises(ValueError, match=match):
         check_fsdp_applicable(schedules.spec(schedule), replicas, **kwargs)
-    check_fsdp_applicable(schedules.spec("1f1b"), 2)  # and what it runs is not
+    for runs in ("1f1b", "2bw"):  # and what it runs is not
+        check_fsdp_applicable(schedules.spec(runs), 2)
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"schedule": "2bw"}, "fsdp=True: schedule '2bw' keeps two weight versions"),
+    ({"schedule": "zbh1"}, "fsdp=True: schedule 'zbh1' splits the backward"),
     ({"schedule": "1f1b", "pipeline_parallel_size": 4}, "this run has 1"),
 ])
 def test_the_strategy_refuses_fsdp_before_launch(kwargs, match):

@@ -47,6 +47,11 @@ def group_values(optimizer: Optimizer, values: Sequence[dict] | None):
             g.update(v)
 
 
+def _shard(t: torch.Tensor) -> torch.Tensor:
+    """This process's shard of an FSDP-sharded ``DTensor`` (``t`` itself otherwise): what the copies read and write."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 @torch.no_grad()
 def delayed_step(
     optimizer: Optimizer,
@@ -79,14 +84,14 @@ def delayed_step(
         grads = [g if own else None for g, own in zip(grads, updated)]
     mine = repeat(True) if updated is None else updated
     delayed = [(p, src, dst) for p, src, dst, own in zip(params, newest, out, mine)
-               if own and dst is not src and dst.data_ptr() != src.data_ptr()]
+               if own and dst is not src and _shard(dst).data_ptr() != _shard(src).data_ptr()]
     if active and correction.level == GRADIENT:
         correction.compensate_(
             optimizer, {p: g for p, g in zip(params, grads) if g is not None},
             newest={p: src for p, src, _ in delayed}, stale={p: dst for p, _, dst in delayed},
         )
     if delayed:
-        torch._foreach_copy_([dst for _, _, dst in delayed], [src for _, src, _ in delayed])
+        torch._foreach_copy_([_shard(dst) for _, _, dst in delayed], [_shard(src) for _, src, _ in delayed])
     for p, g, dst in zip(params, grads, out):
         if dst is not p:  # (an FSDP-sharded parameter is its own storage)
             p.data = dst

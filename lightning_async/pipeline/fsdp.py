@@ -8,11 +8,15 @@ its shard (the optimizer state is sharded with it). Gradients accumulate unreduc
 batch and are reduce-scattered once, at the chunk's last backward (``set_requires_gradient_sync``), as torch's
 ``PipelineStage`` does.
 
-Supported: the synchronous schedules whose backward is one action (``gpipe``, ``1f1b``, ``interleaved``). Refused,
-with the reason: 2BW (two weight versions of sharded weights need a second gathered copy per forward: not built),
-the split backward (``zbh1``, ``zbv``: FSDP reduces in the input-gradient action, before the deferred weight
-gradients exist), optimizers that need whole matrices (Muon, NorMuon, SOAP), activation checkpointing, a weight
-shared by two units of one rank, and ``shard_optimizer`` (FSDP already shards the optimizer state).
+Supported: the schedules whose backward is one action (``gpipe``, ``1f1b``, ``interleaved`` and ``2bw``). Under 2BW
+each of the two weight versions is a sharded copy (``1/dp`` of the stage's weights each); before an action the
+runtime loads its batch's version into the parameters' shards, which FSDP then gathers (every unit, the chunk's own
+parameters included, is resharded after its forward, so a backward gathers its forward's version again). The
+optimizer steps the parameters, ``V(b + 1)`` on entry, and the result ``V(b + 2)`` is copied into the slot of ``V(b)``.
+Refused, with the reason: the split backward (``zbh1``, ``zbv``, ``2bw-split``: FSDP reduces in the input-gradient
+action, before the deferred weight gradients exist), optimizers that need whole matrices (Muon, NorMuon, SOAP),
+activation checkpointing, a weight shared by two units of one rank, and ``shard_optimizer`` (FSDP already shards
+the optimizer state).
 """
 
 from __future__ import annotations
@@ -32,12 +36,9 @@ def check_fsdp_applicable(spec, data_parallel_size: int, shard_optimizer: bool =
     if data_parallel_size < 2:
         problem = (f"it shards each stage's weights over its data-parallel replicas, but this run has {data_parallel_size}. "
                    "Add replicas (processes = stages x replicas) or set fsdp=False")
-    elif spec.delayed:
-        problem = (f"schedule {spec.name!r} keeps two weight versions, which FSDP inside a stage does not hold yet. "
-                   "Use a synchronous schedule (gpipe, 1f1b, interleaved) or shard_optimizer=True (ZeRO-1) with 2bw")
     elif spec.split_backward:
         problem = (f"schedule {spec.name!r} splits the backward, and FSDP reduce-scatters the weight gradients in the "
-                   "input-gradient action, before the deferred ones exist. Use gpipe, 1f1b or interleaved")
+                   "input-gradient action, before the deferred ones exist. Use gpipe, 1f1b, interleaved or 2bw")
     elif shard_optimizer:
         problem = "FSDP already shards the optimizer state; set shard_optimizer=False"
     elif activation_checkpointing:
@@ -58,9 +59,11 @@ def check_optimizer(optimizer) -> None:
             )
 
 
-def shard_chunks(chunks: Sequence[nn.Module], group, device: torch.device) -> dict[int, nn.Parameter]:
+def shard_chunks(chunks: Sequence[nn.Module], group, device: torch.device, versions: int = 1) -> dict[int, nn.Parameter]:
     """``fully_shard`` every unit of each chunk, then the chunk, over ``group``; returns the new parameter of every
-    old one (FSDP replaces each parameter by a sharded ``DTensor`` parameter), by the old one's id."""
+    old one (FSDP replaces each parameter by a sharded ``DTensor`` parameter), by the old one's id. With two weight
+    ``versions`` the chunk's own parameters are resharded after the forward too (FSDP keeps a root's gathered), so
+    that a backward gathers the version the runtime loaded for it."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
@@ -69,15 +72,26 @@ def shard_chunks(chunks: Sequence[nn.Module], group, device: torch.device) -> di
     mesh = DeviceMesh.from_group(group, device.type)
     before = [list(chunk.named_parameters()) for chunk in chunks]
     for chunk in chunks:
-        for unit in getattr(chunk, "units", [chunk]):
-            if any(True for _ in unit.parameters()):
-                fully_shard(unit, mesh=mesh)
-        fully_shard(chunk, mesh=mesh)
+        units = [unit for unit in getattr(chunk, "units", [chunk]) if any(True for _ in unit.parameters())]
+        for unit in units:
+            fully_shard(unit, mesh=mesh)
+        fully_shard(chunk, mesh=mesh, **({"reshard_after_forward": True} if versions > 1 else {}))
+        _prefetch_within_the_backward(units)
     new = {}
     for chunk, named in zip(chunks, before):
         now = dict(chunk.named_parameters())
         new.update({id(p): now[name] for name, p in named})
     return new
+
+
+def _prefetch_within_the_backward(units: Sequence[nn.Module]) -> None:
+    """A unit's backward prefetches the unit before it, and the first unit nothing (it names itself, already gathered).
+
+    FSDP's default prefetches the module before it in the order of the forwards since the last "last backward", which
+    with several micro-batches in flight can be a unit of another micro-batch's forward: its weights would then be
+    gathered now and used later, by an action of another weight version."""
+    for i, unit in enumerate(units):
+        unit.set_modules_to_backward_prefetch([units[i - 1] if i else unit])
 
 
 def _refuse_shared_weights(chunk: nn.Module) -> None:

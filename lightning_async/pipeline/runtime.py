@@ -177,11 +177,14 @@ class PipelineRuntime:
             g.p2p, self.device, lambda piece: g.mesh.rank_of(self.spec.holder(piece, stages)[0], g.replica), g.stage_of_rank,
             name=f"pipeline stage {g.stage}" + (f" (last unit {last_unit!r})" if last_unit else ""),
         )
-        #: the chunks' weights are FSDP-sharded over the replicas (:mod:`~lightning_async.pipeline.fsdp`): one
-        #: version, the parameters themselves, and each chunk called as a module so that FSDP gathers its weights
+        #: the chunks' weights are FSDP-sharded over the replicas (:mod:`~lightning_async.pipeline.fsdp`) and each
+        #: chunk is called as a module so that FSDP gathers its weights. One version: the parameters themselves. Two
+        #: (2BW): each version a sharded copy, loaded into the parameters' shards before an action of its batch
         self.fsdp = fsdp
         if fsdp:
-            self.slots = [list(self.params)]
+            versions = self.spec.weight_versions
+            self.slots = [list(self.params)] if versions == 1 else [[p.detach().clone() for p in self.params] for _ in range(versions)]
+            self._held = self._newest = versions - 1  # the slot the parameters hold; the newest slot
         else:
             self.slots = [[p.detach().clone().requires_grad_(True) for p in self.params] for _ in range(self.spec.weight_versions)]
             for p, t in zip(self.params, self.slots[-1]):
@@ -223,7 +226,16 @@ class PipelineRuntime:
         return self.slots[batch % len(self.slots)]
 
     def newest(self) -> list[torch.Tensor]:
-        return list(self.params) if self.fsdp else [p.data for p in self.params]
+        if self.fsdp:
+            return self.slots[self._newest]
+        return [p.data for p in self.params]
+
+    @torch.no_grad()
+    def _hold(self, slot: int) -> None:
+        """FSDP with two versions: load version slot ``slot`` into the parameters' shards (the ones FSDP gathers)."""
+        if self.fsdp and len(self.slots) > 1 and slot != self._held:
+            torch._foreach_copy_([local(p) for p in self.params], [local(t) for t in self.slots[slot]])
+            self._held = slot
 
     # ---- actions --------------------------------------------------------------------------------
     def _forward(self, chunk: int, mb: int, batch: int, x, inputs, targets, training: bool):
@@ -236,7 +248,8 @@ class PipelineRuntime:
             if self.context_fn is not None:  # under autocast, as in the module's own forward
                 kwargs["context"] = self.context_fn(inputs)
             if self.fsdp:
-                y = self.chunks[chunk](x, **kwargs)  # FSDP gathers the chunk's weights (its one version)
+                self._hold(batch % len(self.slots) if training else self._newest)
+                y = self.chunks[chunk](x, **kwargs)  # FSDP gathers the chunk's weights (of the version held)
             else:
                 y = functional_call(self.chunks[chunk], weights, (x,), kwargs)
             if last:
@@ -247,11 +260,13 @@ class PipelineRuntime:
             self._inflight[chunk, mb] = (grad_inputs, grad_outputs)
         return y
 
-    def _backward(self, chunk: int, mb: int, grads: list[torch.Tensor] | None, split: bool = False) -> list[torch.Tensor] | None:
-        """Backward of micro-batch ``mb`` on ``chunk``; the gradients of its received leaves (``None`` on the first
-        piece). ``split``: the input gradient only, the linear layers' weight gradients left for :meth:`_weight_grad`."""
+    def _backward(self, chunk: int, mb: int, batch: int, grads: list[torch.Tensor] | None, split: bool = False) -> list[torch.Tensor] | None:
+        """Backward of micro-batch ``mb`` of ``batch`` on ``chunk``; the gradients of its received leaves (``None`` on
+        the first piece). ``split``: the input gradient only, the linear layers' weight gradients left for
+        :meth:`_weight_grad`."""
         inputs, outputs = self._inflight.pop((chunk, mb))
-        if self.fsdp:  # reduce-scatter once per batch, at the chunk's last backward
+        if self.fsdp:  # FSDP gathers again: the forward's version; reduce-scatter once per batch, at its last backward
+            self._hold(batch % len(self.slots))
             set_gradient_sync(self.chunks[chunk], mb % self.n_microbatches == self.n_microbatches - 1)
         deferred = DeferredWeightGrads()
         with deferred.collecting() if split else contextlib.nullcontext():
@@ -298,9 +313,9 @@ class PipelineRuntime:
 
     def _begin_update(self, batch: int) -> None:
         """Last backward of ``batch`` done: take its gradients and start their reductions."""
-        slot = self._slot(batch)
-        grads = [t.grad for t in slot]
-        for t in slot:
+        holders = self.params if self.fsdp else self._slot(batch)  # (FSDP reduce-scatters into the parameters)
+        grads = [t.grad for t in holders]
+        for t in holders:
             t.grad = None
         pending = _PendingUpdate(batch, grads, self._hyper.pop(batch))
         g = self.groups
@@ -353,16 +368,23 @@ class PipelineRuntime:
                 if x is not None:
                     local(x).mul_(coef.to(x.dtype))
         out = self._slot(batch + len(self.slots))  # 2BW: V(b+2) replaces V(b); sync: in place
+        versioned = self.fsdp and len(self.slots) > 1
+        if versioned:  # the optimizer steps the sharded parameters: they receive V(b+2), from V(b) on entry
+            self._hold(batch % len(self.slots))
         delayed_step(
             self.optimizer,
             self.params,
             pending.grads,
             newest=self.newest(),
-            out=out,
+            out=self.params if versioned else out,
             correction=self.correction,
             hyperparameters=pending.hyperparameters,
             updated=None if self.shards is None else self.shards.owned,
         )
+        if versioned:
+            with torch.no_grad():
+                torch._foreach_copy_([local(t) for t in out], [local(p) for p in self.params])
+            self._newest = self._held = batch % len(self.slots)
         if self.shards is not None:
             self.shards.start(batch, out)  # waited for at the start of the call that reads the slot
 
@@ -428,7 +450,7 @@ class PipelineRuntime:
             else:  # BACKWARD, INPUT_GRAD
                 grad = None if step.source is None else self._input(step, "grad")
                 preposted = step.prepost is not None and t.prepost(*step.prepost)
-                dx = self._backward(c, mb, grad, split=kind == INPUT_GRAD)
+                dx = self._backward(c, mb, step.batch, grad, split=kind == INPUT_GRAD)
                 if step.target is None:
                     continue
                 self._output(dx, step, None if preposted else step.next_receive)
@@ -491,6 +513,8 @@ class PipelineRuntime:
         reads = b - len(self.slots)  # V(b) is written by 2BW's update b-2, a flush's update b-1
         held = tuple(k for k, pending in sorted(self._pending.items()) if pending.launch is not None)
         self._run(self._program(actions, start=held, apply_first=(reads,) if reads >= 0 else ()))
+        if self.fsdp:
+            self._hold(self._newest)  # between calls the module shows the newest weights, as without FSDP
         if not self.is_last:
             self._reduce_loss(b, None)  # join the last stage's loss reduction for this batch
         self.fresh = False
