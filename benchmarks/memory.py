@@ -199,7 +199,7 @@ def measured_worker(cfg: dict) -> dict:
     )
     runtime = built.runtime
     peak = {"inflight": 0, "deferred": 0, "activations": 0, "grads": 0}
-    weights = [t for slot in runtime.slots for t in slot]
+    weights = [local(t) for t in [*runtime.params, *(t for slot in runtime.slots for t in slot)]]  # (FSDP: shards)
 
     def sample():
         # (chunk, mb) forwarded and not yet backwarded (B, or I when split): what autograd saved for it; and the
@@ -209,7 +209,7 @@ def measured_worker(cfg: dict) -> dict:
         peak["deferred"] = max(peak["deferred"], len(deferred))
         kept = storage_bytes([t for d in deferred for t in d.held], exclude=weights)
         peak["activations"] = max(peak["activations"], sum(act[c] for c, _ in held) + kept)
-        grads = [t.grad for slot in runtime.slots for t in slot]
+        grads = [t.grad for t in runtime.params] if runtime.fsdp else [t.grad for slot in runtime.slots for t in slot]
         grads += [x for pending in runtime._pending.values() for x in pending.grads]
         peak["grads"] = max(peak["grads"], _nbytes(grads))
 
