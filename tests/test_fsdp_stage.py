@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 import _pipeline_harness as harness
 from _pipeline_harness import as_torchrun, pipeline_run, spawn
 from lightning_async.optim import build_optimizer
+from lightning_async.pipeline.checkpoint import consolidate
 from lightning_async.pipeline import schedules
 from lightning_async.pipeline.fsdp import check_fsdp_applicable, check_optimizer, shard_chunks
 from lightning_async.pipeline.mesh import PipelineMesh
@@ -34,7 +36,7 @@ SCENARIOS = {
 WORKLOAD = dataclasses.replace(harness.SMOLLM2, make_batches=functools.partial(harness.make_batches, batch_size=24))
 
 
-def _both(world: int) -> dict:
+def _both(world: int, tmp: str) -> dict:
     out = {}
     for schedule, optimizer, ef, clip in SCENARIOS[world]:
         out[schedule, optimizer] = [
@@ -43,6 +45,40 @@ def _both(world: int) -> dict:
         ]
     if world == 4:
         out["strategy"] = _fit_both()
+        out["checkpoints"] = _checkpoints_move(tmp)
+    return out
+
+
+def _checkpoints_move(tmp: str) -> dict:
+    """2BW + EF under FSDP saves through DCP at step 4; it resumes under FSDP and without (2 x 2 both), and an
+    unsharded run's checkpoint resumes under FSDP."""
+    import lightning as L
+
+    from lightning_async.pipeline.fsdp import whole
+    from lightning_async.strategies import AsyncPipelineStrategy
+    from test_strategy import fit
+
+    class Start(L.Callback):
+        weights: dict = {}
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            self.weights = {k: whole(v) for k, v in pl_module.state_dict().items()}
+
+    def strategy(fsdp):
+        return AsyncPipelineStrategy(schedule="2bw", pipeline_parallel_size=2, n_microbatches=2, correction="ef",
+                                     checkpoint_format="dcp", fsdp=fsdp)
+
+    def final(run):
+        return {k: whole(v) for k, v in run[0].items()}
+
+    as_torchrun()
+    out = {"uninterrupted": final(fit(strategy(True), 4, ckpt_dir=os.path.join(tmp, "fsdp")))}
+    at4 = os.path.join(tmp, "fsdp", "step=4.ckpt")
+    out["fsdp_resumed"] = final(fit(strategy(True), 4, ckpt_path=at4))
+    out["plain_resumed"] = final(fit(strategy(False), 4, ckpt_path=at4, ckpt_dir=os.path.join(tmp, "plain")))
+    start = Start()
+    fit(strategy(True), 4, callbacks=[start], steps=10, ckpt_path=os.path.join(tmp, "plain", "step=8.ckpt"))
+    out["fsdp_start"], out["plain_saved"] = start.weights, consolidate(os.path.join(tmp, "plain", "step=8.ckpt"))
     return out
 
 
@@ -63,9 +99,9 @@ def _fit_both() -> list:
 
 
 @pytest.fixture(scope="module", params=[4, 6], ids=["2x2", "2x3"])
-def fsdp_results(request):
+def fsdp_results(request, tmp_path_factory):
     world = request.param
-    return world, spawn(world, _both, world, timeout=300)
+    return world, spawn(world, _both, world, str(tmp_path_factory.mktemp(f"fsdp{world}")), timeout=300)
 
 
 @pytest.mark.slow
@@ -109,6 +145,22 @@ def test_the_strategy_fits_the_same_under_fsdp(fsdp_results):
                 assert plain_metrics[k] == pytest.approx(sharded_metrics[k], abs=1e-6), (schedule, k)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("fsdp_results", [4], indirect=True, ids=["2x2"])
+def test_fsdp_checkpoints_move_to_and_from_unsharded_runs(fsdp_results):
+    _, per_rank = fsdp_results
+    for rank, results in enumerate(per_rank):
+        c = results["checkpoints"]
+        for run in ("fsdp_resumed", "plain_resumed"):  # (FSDP equals unsharded: both end where the FSDP run ended)
+            worst = max((c["uninterrupted"][k] - c[run][k]).abs().max().item() for k in c["uninterrupted"])
+            assert worst < 1e-6, f"rank {rank}, {run}: max |diff| = {worst}"
+    started = {k: v for results in per_rank for k, v in results["checkpoints"]["fsdp_start"].items()}
+    saved = per_rank[0]["checkpoints"]["plain_saved"]
+    assert set(started) == set(saved)
+    differ = [k for k in saved if not torch.equal(started[k], saved[k])]
+    assert not differ, f"FSDP resumed from other weights than the unsharded run saved: {differ[:3]}"
+
+
 @pytest.mark.parametrize("schedule, replicas, kwargs, match", [
     ("2bw-split", 2, {}, "splits the backward"),
     ("zbh1", 2, {}, "splits the backward"),
@@ -135,15 +187,17 @@ def test_the_strategy_refuses_fsdp_before_launch(kwargs, match):
         _strategy(4, fsdp=True, **{"pipeline_parallel_size": 2, **kwargs}).validate_mesh()
 
 
-def test_the_strategy_refuses_checkpoints_under_fsdp():
+def test_the_strategy_refuses_per_stage_checkpoints_under_fsdp():
     import lightning as L
 
     from lightning_async.strategies import AsyncPipelineStrategy
 
     strategy = AsyncPipelineStrategy(schedule="1f1b", pipeline_parallel_size=2, fsdp=True)
     trainer = L.Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False)  # a ModelCheckpoint by default
-    with pytest.raises(ValueError, match="enable_checkpointing=False"):
+    with pytest.raises(ValueError, match="pass checkpoint_format='dcp'"):
         strategy._refuse_checkpoints_under_fsdp(trainer)
+    strategy = AsyncPipelineStrategy(schedule="1f1b", pipeline_parallel_size=2, fsdp=True, checkpoint_format="dcp")
+    strategy._refuse_checkpoints_under_fsdp(L.Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False))
 
 
 @pytest.mark.parametrize("name", ["muon", "normuon", "soap"])

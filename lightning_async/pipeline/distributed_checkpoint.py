@@ -17,6 +17,10 @@ On load a rank asks for the keys of the parameters it holds now (under the shard
 buffers of its own share), whatever layout wrote them, and gets back a checkpoint dict in its own layout's form.
 Why not ``torch.distributed.checkpoint.state_dict.get_state_dict``: it keys an optimizer by the module it is given,
 and our stages hold pieces of a module under their global names, with two weight versions beside it.
+
+Under FSDP inside a stage (``fsdp=True``) the weights, versions, optimizer state and buffers are ``DTensor`` shards:
+DCP writes each replica's shard under the same global key, and a sharded run loads into targets sharded as its own
+parameters, so a checkpoint moves between FSDP and unsharded runs of any replica count.
 """
 
 from __future__ import annotations
@@ -143,10 +147,23 @@ def _first_saved(prefix: str, aliases: Sequence[str], keys) -> str | None:
     return next((a for a in aliases if prefix + a in keys), None)
 
 
-def _empty_like_saved(meta) -> torch.Tensor | None:
+def _empty_like_saved(meta, like: torch.Tensor | None = None) -> torch.Tensor | None:
+    """A tensor to load a saved key into: sharded as ``like`` (an FSDP parameter) where it has its shape (DCP then reads
+    only this rank's shard), else whole."""
     if isinstance(meta, dcp.TensorStorageMetadata):
+        if like is not None and _is_sharded(like) and tuple(meta.size) == tuple(like.shape):
+            return torch.empty_like(like, dtype=meta.properties.dtype)
         return torch.empty(meta.size, dtype=meta.properties.dtype)
     return None  # bytes: replaced by the loaded object
+
+
+def _is_sharded(t: torch.Tensor) -> bool:
+    return hasattr(t, "device_mesh")  # a DTensor (FSDP2 inside a stage)
+
+
+def _empty_like(t: torch.Tensor) -> torch.Tensor:
+    """A target for ``t``'s saved value: ``t``'s own sharding under FSDP, else a whole tensor on the CPU."""
+    return torch.empty_like(t) if _is_sharded(t) else torch.empty(t.shape, dtype=t.dtype)
 
 
 class RankRequest:
@@ -171,7 +188,7 @@ class RankRequest:
                 f"the checkpoint has no weights for {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}: it "
                 "was saved from another model. Resume with the model it was saved from."
             )
-        self.flat: dict = {MODEL + k: torch.empty(v.shape, dtype=v.dtype) for k, v in state_dict.items()}
+        self.flat: dict = {MODEL + k: _empty_like(v) for k, v in state_dict.items()}
         for key in (RUNTIME, TRAINER):
             if key in keys:
                 self.flat[key] = None
@@ -181,7 +198,7 @@ class RankRequest:
         for i, p in enumerate(self.params):
             aliases = names[id(p)]
             if versions > 1 and (alias := _first_saved(VERSION, aliases, keys)) is not None:
-                self.flat[VERSION + alias] = torch.empty(p.shape, dtype=p.dtype)
+                self.flat[VERSION + alias] = _empty_like(p)
             if alias := _first_saved(GROUP, aliases, keys):
                 self.flat[GROUP + alias] = None
             if not self.owned[i]:
@@ -191,7 +208,7 @@ class RankRequest:
                 if alias is None:
                     continue
                 wanted = per_parameter[kind, alias]
-                self.flat.update({k: _empty_like_saved(keys[k]) for k in wanted})
+                self.flat.update({k: _empty_like_saved(keys[k], like=p) for k in wanted})
                 if kind == OPTIMIZER:
                     self.optimizer_keys[id(p)] = (alias, wanted)
 

@@ -201,7 +201,7 @@ class PipelineRuntime:
         self._batch_data: dict[int, tuple[list, list]] = {}
         self.reported_losses: dict[int, torch.Tensor] = {}  # batch -> mean loss (after the metrics reduce)
         self._loss_works: dict[int, tuple[object, torch.Tensor]] = {}
-        self.last_grad_norm: torch.Tensor | None = None
+        self._grad_norms: dict[int, torch.Tensor] = {}  # batch -> its global gradient norm (before clipping)
         self.shards = self._make_shards() if shard_optimizer else None
 
     def _make_shards(self) -> OptimizerShards:
@@ -300,6 +300,15 @@ class PipelineRuntime:
         work = dist.all_reduce(buf, group=g.metrics, async_op=True)
         self._loss_works[batch] = (work, buf)
 
+    def settled_grad_norm(self) -> torch.Tensor | None:
+        """The global gradient norm (before clipping, with clipping on) of the newest batch whose update has been
+        applied on every rank whatever the timing: batch ``b - 1`` after call ``b`` of a flushing schedule, ``b - 2``
+        under 2BW (an update lands as soon as its reductions finish, so the newest applied one varies)."""
+        settled = self.batches_done - 1 - len(self.slots)
+        for done in [k for k in self._grad_norms if k < settled]:
+            del self._grad_norms[done]
+        return self._grad_norms.get(settled)
+
     def collect_loss(self, batch: int, wait: bool = True) -> torch.Tensor | None:
         """Mean training loss of ``batch`` on every rank (``None`` if not reduced yet and ``wait=False``)."""
         if batch in self._loss_works:
@@ -362,7 +371,7 @@ class PipelineRuntime:
         wait_collectives(pending.works, f"the gradient reductions of batch {batch}", self.groups, "pipeline")
         if self.clip and pending.norm_sq is not None:
             norm = pending.norm_sq.sqrt()
-            self.last_grad_norm = norm  # global norm before clipping, for logging
+            self._grad_norms[batch] = norm  # global norm before clipping, for logging
             coef = torch.clamp(self.clip / (norm + 1e-6), max=1.0)
             for x in pending.grads:
                 if x is not None:
@@ -599,13 +608,16 @@ class PipelineRuntime:
         """Both weight versions, counters and the correction's buffers (call after :meth:`drain`)."""
         if not self.fresh:
             raise RuntimeError("PipelineRuntime.state_dict() needs an empty pipeline: call drain() first.")
-        if self.fsdp:
-            raise NotImplementedError("Checkpoints of FSDP-sharded stages are not written yet (fsdp=True): see pipeline.fsdp.")
+        if self.fsdp:  # sharded DTensors, for torch.distributed.checkpoint (the only format that takes them)
+            slots, newest = [[t.detach().clone() for t in slot] for slot in self.slots], self._newest
+        else:
+            slots = [[t.detach().to("cpu", copy=True) for t in slot] for slot in self.slots]  # no GPU spike
+            newest = next(i for i, s in enumerate(self.slots) if s[0].data_ptr() == self.params[0].data_ptr())
         return {
             "schedule": self.schedule,
             "batches_done": self.batches_done,
-            "slots": [[t.detach().to("cpu", copy=True) for t in slot] for slot in self.slots],  # no GPU spike
-            "newest_slot": next(i for i, s in enumerate(self.slots) if s[0].data_ptr() == self.params[0].data_ptr()),
+            "slots": slots,
+            "newest_slot": newest,
             "correction": None if self.correction is None else self.correction.state_dict(self.params),
         }
 
@@ -627,8 +639,12 @@ class PipelineRuntime:
             for slot, saved in zip(self.slots, state["slots"]):
                 for t, s in zip(slot, saved):
                     t.copy_(s)
-        for p, t in zip(self.params, self.slots[state["newest_slot"]]):
-            p.data = t.data
+        if self.fsdp:
+            self._newest, self._held = state["newest_slot"], None
+            self._hold(self._newest)
+        else:
+            for p, t in zip(self.params, self.slots[state["newest_slot"]]):
+                p.data = t.data
         saved = state.get("correction", state.get("error_feedback"))  # (the key of checkpoints before 0.2)
         if self.shards is not None and saved is not None:  # keep this replica's share of the buffers
             saved = {k: [b if mine else None for b, mine in zip(v, self.shards.owned)] if isinstance(v, list) else v

@@ -335,10 +335,10 @@ class AsyncPipelineStrategy(DDPStrategy):
         self.loss_extras.attach(self.runtime)
 
     def _refuse_checkpoints_under_fsdp(self, trainer) -> None:
-        if self.fsdp and (trainer.checkpoint_callbacks or trainer.ckpt_path):
+        if self.fsdp and self.checkpoint_format != "dcp" and (trainer.checkpoint_callbacks or trainer.ckpt_path):
             raise ValueError(
-                "fsdp=True: checkpoints of FSDP-sharded stages are not written or loaded yet. Pass "
-                "enable_checkpointing=False (and no ckpt_path), or use shard_optimizer=True, whose checkpoints move between layouts."
+                "fsdp=True writes and reads checkpoints through torch.distributed.checkpoint only (the sharded weights "
+                "stay sharded): pass checkpoint_format='dcp', or enable_checkpointing=False."
             )
 
     def _stage_units(self, module, units, before: dict | None) -> list[list[str]]:
@@ -474,8 +474,9 @@ class AsyncPipelineStrategy(DDPStrategy):
         self._log_loss("train", loss, batch)
         if report >= 0:
             log_values(self.lightning_module, "train", self.loss_extras.training_values(report))
-        if runtime.last_grad_norm is not None:
-            self.lightning_module.log("train/grad_norm", runtime.last_grad_norm)
+        grad_norm = runtime.settled_grad_norm()
+        if grad_norm is not None:
+            self.lightning_module.log("train/grad_norm", grad_norm)
         return loss if loss is not None else torch.zeros((), device=self.root_device)
 
     @override

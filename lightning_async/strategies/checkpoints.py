@@ -158,6 +158,11 @@ class PipelineCheckpoints:
             meta = layout.read_meta(path)
             if meta.get("format") == "dcp":
                 request = self._distributed_request(path)
+            elif s.fsdp:
+                raise ValueError(
+                    f"Checkpoint {path} is in the per-stage format, which fsdp=True does not load. Convert it: resume it "
+                    "once without fsdp and with checkpoint_format='dcp', and save."
+                )
             elif meta["stages"] != s.pipeline_parallel_size:
                 raise ValueError(
                     f"Checkpoint {path} has {meta['stages']} stages, this run has {s.pipeline_parallel_size}. Resume "
@@ -189,7 +194,6 @@ class PipelineCheckpoints:
         return checkpoint
 
     def _finish_distributed_load(self, path: str, request) -> dict:
-        s = self.strategy
         try:
             request.load(path)
         except Exception as err:
