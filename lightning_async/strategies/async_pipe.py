@@ -106,8 +106,7 @@ class AsyncPipelineStrategy(DDPStrategy):
         fsdp: FSDP2 inside each stage (torchtitan's composition): every unit's weights, gradients and optimizer
             state sharded over the stage's replicas, gathered per forward and backward. The schedules with one
             backward action (``gpipe``, ``1f1b``, ``interleaved``, ``2bw``: both versions sharded), element-wise
-            optimizers, no checkpoints yet
-            (``enable_checkpointing=False``); needs ``data_parallel_size > 1`` (``docs/pipeline.md``, "Many replicas: FSDP2 inside a stage").
+            optimizers, checkpoints through ``checkpoint_format="dcp"`` only; needs ``data_parallel_size > 1`` (``docs/pipeline.md``, "Many replicas: FSDP2 inside a stage").
         checkpoint_format: ``"stages"`` (default: a file per stage, the same layout to resume) or ``"dcp"``
             (``torch.distributed.checkpoint``, keyed by global names, written by every rank in parallel: resumes on
             another stage count, split, replica count, sharded or not). Both are atomic directories; either loads.
