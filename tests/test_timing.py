@@ -267,8 +267,37 @@ def test_schedule_memory_shards_the_optimizer_and_correction_over_replicas():
     for a, b in zip(plain, sharded):
         assert (b["optimizer"], b["correction"]) == (a["optimizer"] // 4, a["correction"] // 4)
         assert (b["weights"], b["gradients"], b["activations"]) == (a["weights"], a["gradients"], a["activations"])
-    with pytest.raises(ValueError, match="shard_optimizer needs data_parallel_size > 1"):
+    with pytest.raises(ValueError, match="shard_optimizer and fsdp need data_parallel_size > 1"):
         schedule_memory("2bw", 2, 4, 1000, 2000, 10, shard_optimizer=True)
+
+
+@pytest.mark.parametrize("schedule, copies", [("1f1b", 1), ("2bw", 3)])
+def test_schedule_memory_under_fsdp_shards_weights_and_state_but_not_the_accumulated_gradient(schedule, copies):
+    from lightning_async.pipeline.timing import schedule_memory
+
+    plain = schedule_memory(schedule, 2, 4, 1000, 2000, 10, correction_buffers=1, data_parallel_size=4)
+    fsdp = schedule_memory(schedule, 2, 4, 1000, 2000, 10, correction_buffers=1, data_parallel_size=4, fsdp=True)
+    for a, b in zip(plain, fsdp):
+        assert (b["optimizer"], b["correction"]) == (a["optimizer"] // 4, a["correction"] // 4)
+        assert b["weights"] == copies * 1000 // 4  # 2BW: both versions and the parameters FSDP gathers from
+        assert (b["gradients"], b["activations"]) == (a["gradients"], a["activations"])
+    with pytest.raises(ValueError, match="fsdp already shards the optimizer state"):
+        schedule_memory(schedule, 2, 4, 1000, 2000, 10, data_parallel_size=4, shard_optimizer=True, fsdp=True)
+
+
+def test_the_map_under_fsdp_leaves_out_the_split_backward(tmp_path, capsys):
+    from lightning_async.tools.plan import plan_main
+
+    out = tmp_path / "map.json"
+    assert plan_main(["--compare", "--stages", "4", "--global-batch", "16", "--micro-batch-size", "1",
+                      "--data-parallel", "1", "4", "--fsdp", "--json", str(out)]) == 0
+    rows = {r["dp"]: r for r in json.loads(out.read_text())["rows"]}
+    assert "skipped" not in rows[1]["schedules"]["zbh1"]  # one replica: no FSDP, every schedule
+    refused = {n for n, e in rows[4]["schedules"].items() if "skipped" in e}
+    assert refused == {"zbh1", "zbv", "2bw-split"} and rows[4]["best_sync"] in ("1f1b", "interleaved")
+    assert "splits the backward" in rows[4]["schedules"]["zbh1"]["skipped"]
+    assert plan_main(["--compare", "--global-batch", "16", "--data-parallel", "2", "--fsdp", "--shard-optimizer"]) == 2
+    assert "--fsdp already shards the optimizer state" in capsys.readouterr().err
 
 
 def test_plan_command_measures_a_tiny_model(tmp_path, capsys):

@@ -519,6 +519,7 @@ def schedule_memory(
     data_parallel_size: int = 1,
     shard_optimizer: bool = False,
     weight_grad_bytes: int | Sequence[int] | None = None,
+    fsdp: bool = False,
 ) -> list[dict[str, int]]:
     """Per rank, the bytes ``schedule`` holds at its peak: weights (one version per ``weight_versions``), one
     gradient accumulator, optimizer state, a correction's parameter-sized buffers (EF: 1), and the activations held
@@ -537,10 +538,16 @@ def schedule_memory(
     each), or one value per piece. ``shard_optimizer`` (ZeRO-1 over ``data_parallel_size`` replicas): the optimizer
     state and the correction's buffers are split evenly over the replicas (the runtime's shares are whole parameters
     balanced by size, so a stage of few large tensors holds a little more; ``benchmarks/memory.py`` measures it).
+    ``fsdp`` (FSDP2 inside a stage, :mod:`~lightning_async.pipeline.fsdp`): the optimizer state, the buffers and the
+    weights are ``1/dp`` each, under 2BW three weight shards (the two versions and the parameters FSDP gathers from);
+    the gradient stays whole, as FSDP accumulates it unsharded over a batch's micro-batches and reduce-scatters once
+    (a unit's gathered weights, transient, are left out).
     """
-    if shard_optimizer and data_parallel_size < 2:
-        raise ValueError("shard_optimizer needs data_parallel_size > 1 (the state is split over the replicas).")
-    share = data_parallel_size if shard_optimizer else 1
+    if (shard_optimizer or fsdp) and data_parallel_size < 2:
+        raise ValueError("shard_optimizer and fsdp need data_parallel_size > 1 (the state is split over the replicas).")
+    if shard_optimizer and fsdp:
+        raise ValueError("fsdp already shards the optimizer state: pass shard_optimizer=False with it.")
+    share = data_parallel_size if shard_optimizer or fsdp else 1
     s_ = spec(schedule)
     p = num_stages
     lists = [s_.run_actions(r, p, n_microbatches, 2) for r in range(p)]
@@ -554,10 +561,12 @@ def schedule_memory(
     residue = None if weight_grad_bytes is None else _per_piece(weight_grad_bytes, s_, p, "weight_grad_bytes")
     activations = peak_activation_bytes(s_, lists, piece_bytes, residue)
     grads = params if grad_bytes is None else per(grad_bytes, "grad_bytes")
+    weight_copies = s_.weight_versions + (1 if fsdp and s_.weight_versions > 1 else 0)
     out = []
     for r in range(p):
         row = {
-            "weights": s_.weight_versions * params[r], "gradients": grads[r], "optimizer": opt[r] // share,
+            "weights": weight_copies * params[r] // (data_parallel_size if fsdp else 1), "gradients": grads[r],
+            "optimizer": opt[r] // share,
             "correction": correction_buffers * params[r] // share, "activations": int(round(activations[r])),
             "inflight_microbatches": inflight[r],
         }

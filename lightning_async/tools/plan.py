@@ -38,6 +38,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from lightning_async.pipeline.fsdp import check_fsdp_applicable
 from lightning_async.pipeline.measure import measure_model
 from lightning_async.pipeline.schedules import spec
 from lightning_async.pipeline.timing import memory_model, schedule_memory, simulate
@@ -116,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="pipeline replicas to compare at --global-batch (default 1)")
     cmp.add_argument("--shard-optimizer", action="store_true",
                      help="memory with the optimizer state and EF sharded over the replicas (ZeRO-1)")
+    cmp.add_argument("--fsdp", action="store_true",
+                     help="memory with FSDP2 inside each stage (weights, optimizer state and EF at 1/dp); the "
+                          "schedules it does not run (split backward) are left out")
     ap.add_argument("--json", dest="json_path", help="write the table and the inputs as JSON")
     return ap
 
@@ -127,17 +131,21 @@ ASYNC = ("2bw", "2bw-split")
 
 def compare_row(p: int, m: int, costs: dict, comm_s: float, update_s: float, num_batches: int,
                 weight_fraction: float, budget_bytes: float | None, worth: float, data_parallel: int = 1,
-                shard_optimizer: bool = False) -> dict:
+                shard_optimizer: bool = False, fsdp: bool = False) -> dict:
     """One row of the map: each schedule's steady per-batch time and peak memory per rank (``data_parallel``
-    replicas, the optimizer state sharded over them with ``shard_optimizer``), the best synchronous schedule (that
+    replicas, the optimizer state sharded over them with ``shard_optimizer``, FSDP inside each stage with ``fsdp``:
+    the schedules it refuses are skipped), the best synchronous schedule (that
     fits ``budget_bytes``), 2BW's speed-up over it and a recommendation."""
     weight = [b * weight_fraction for b in costs["backward_s"]]
     row = {"p": p, "m": m, "dp": data_parallel, "schedules": {}}
     sharded = shard_optimizer and data_parallel > 1
+    fsdp = fsdp and data_parallel > 1
     for name in (*COMPARED, *ASYNC):
         s_ = spec(name)
         try:
             s_.validate(p, m)
+            if fsdp:
+                check_fsdp_applicable(s_, data_parallel)
         except ValueError as err:
             row["schedules"][name] = {"skipped": str(err)}
             continue
@@ -146,7 +154,7 @@ def compare_row(p: int, m: int, costs: dict, comm_s: float, update_s: float, num
         if costs.get("param_bytes") is not None:
             mem = schedule_memory(s_, p, m, costs["param_bytes"], costs["optimizer_bytes"], costs["activation_bytes"],
                                   data_parallel_size=data_parallel, shard_optimizer=sharded,
-                                  weight_grad_bytes=costs.get("weight_grad_bytes"))
+                                  weight_grad_bytes=costs.get("weight_grad_bytes"), fsdp=fsdp)
             entry["peak_bytes"] = max(x["total"] for x in mem)
             entry["fits"] = budget_bytes is None or entry["peak_bytes"] <= budget_bytes
         row["schedules"][name] = entry
@@ -283,7 +291,7 @@ def microbatches_per_pipeline(global_batch: int, data_parallel: int, micro_batch
 
 
 def compare(stages, multipliers, costs_for_p, comm_s, update_s, num_batches, weight_fraction, memory_gib, worth,
-            global_batch=None, data_parallel=(1,), micro_batch_size=1, shard_optimizer=False):
+            global_batch=None, data_parallel=(1,), micro_batch_size=1, shard_optimizer=False, fsdp=False):
     """The map's rows (:func:`compare_row` for every ``p`` and ``m = k p``, or with ``global_batch`` for every
     replica count ``dp``: ``m = G / (dp x micro_batch_size)``) and the stage counts (and replica counts) skipped."""
     rows, skipped = [], []
@@ -301,7 +309,7 @@ def compare(stages, multipliers, costs_for_p, comm_s, update_s, num_batches, wei
                 else:
                     shapes.append((m, dp))
         rows += [compare_row(p, m, costs, comm_s, update_s, num_batches, weight_fraction, budget, worth,
-                             data_parallel=dp, shard_optimizer=shard_optimizer) for m, dp in shapes]
+                             data_parallel=dp, shard_optimizer=shard_optimizer, fsdp=fsdp) for m, dp in shapes]
     return rows, skipped
 
 
@@ -375,12 +383,14 @@ def argument_error(args: argparse.Namespace) -> str | None:
                             ("--batches", args.batches), ("--seq-len", args.seq_len),
                             ("--micro-batch-size", args.micro_batch_size), ("--head-tokens", args.head_tokens))
     ]
-    if (args.global_batch is not None or args.data_parallel != [1] or args.shard_optimizer) and not args.compare:
-        return "--global-batch, --data-parallel and --shard-optimizer belong to the map: add --compare"
+    if (args.global_batch is not None or args.data_parallel != [1] or args.shard_optimizer or args.fsdp) and not args.compare:
+        return "--global-batch, --data-parallel, --shard-optimizer and --fsdp belong to the map: add --compare"
     if args.data_parallel != [1] and args.global_batch is None:
         return "--data-parallel needs --global-batch (m per pipeline = G / (replicas x --micro-batch-size))"
-    if args.shard_optimizer and max(args.data_parallel) < 2:
-        return "--shard-optimizer splits the state over replicas: give --data-parallel counts > 1"
+    if (args.shard_optimizer or args.fsdp) and max(args.data_parallel) < 2:
+        return f"{'--fsdp' if args.fsdp else '--shard-optimizer'} splits the state over replicas: give --data-parallel counts > 1"
+    if args.shard_optimizer and args.fsdp:
+        return "--fsdp already shards the optimizer state: drop --shard-optimizer"
     if min(args.data_parallel) < 1 or (args.global_batch is not None and args.global_batch < 1):
         return "--global-batch and --data-parallel must be >= 1"
     if not 0 <= args.weight_fraction < 1:
@@ -472,7 +482,7 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
     if args.compare:
         rows, skipped = compare(stages, args.microbatches, costs_for_p, comm_s, update_s, args.batches,
                                 args.weight_fraction, args.memory_gib, args.worth, args.global_batch,
-                                sorted(set(args.data_parallel)), args.micro_batch_size, args.shard_optimizer)
+                                sorted(set(args.data_parallel)), args.micro_batch_size, args.shard_optimizer, args.fsdp)
         print(format_compare_table(rows))
     else:
         rows, skipped = plan(stages, args.microbatches, costs_for_p, comm_s, update_s, args.batches)
