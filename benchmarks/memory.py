@@ -157,6 +157,21 @@ def deferred_bytes(module: StageModule, x: torch.Tensor, targets: torch.Tensor, 
     return weight_grad_bytes(module, step)
 
 
+def fsdp_accumulated_grads(chunks) -> list:
+    """The whole gradients FSDP accumulates over a batch's micro-batches before its one reduce-scatter (FSDP2's
+    private ``FSDPParam`` state: no public API reports them)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out = []
+    for chunk in chunks:
+        for module in chunk.modules():
+            group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+            for fsdp_param in group.fsdp_params if group is not None else ():
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                out += [g for g in (getattr(unsharded, "grad", None), fsdp_param.unsharded_accumulated_grad) if g is not None]
+    return out
+
+
 def measured_worker(cfg: dict) -> dict:
     rank, p = dist.get_rank(), cfg["p"]
     device = torch.device(cfg["device"], rank) if cfg["device"] == "cuda" else torch.device("cpu")
@@ -211,6 +226,7 @@ def measured_worker(cfg: dict) -> dict:
         peak["activations"] = max(peak["activations"], sum(act[c] for c, _ in held) + kept)
         grads = [t.grad for t in runtime.params] if runtime.fsdp else [t.grad for slot in runtime.slots for t in slot]
         grads += [x for pending in runtime._pending.values() for x in pending.grads]
+        grads += fsdp_accumulated_grads(runtime.chunks) if runtime.fsdp else []
         peak["grads"] = max(peak["grads"], _nbytes(grads))
 
     def spied(fn):
