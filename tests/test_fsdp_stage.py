@@ -127,9 +127,11 @@ def test_each_replica_holds_its_share(fsdp_results):
             for term in ("parameters", "weight_versions", "optimizer_state", "correction"):
                 where = f"{schedule}/{optimizer} stage {stage} {term}"
                 assert all(p[term] == plain[0][term] for p in plain), where  # unsharded: every replica the whole
-                # the shards add up to the whole (the optimizer's scalar step counters aside), none much over 1/dp
-                assert sum(x[term] for x in sharded) == pytest.approx(plain[0][term], rel=0.01), where
-                assert max(x[term] for x in sharded) <= plain[0][term] * (1 / len(ranks) + 0.05), where
+                # the shards add up to the whole (the optimizer's scalar step counters aside), none much over 1/dp;
+                # under 2BW FSDP holds a third copy of the weights, the parameters it gathers from, beside the versions
+                whole = plain[0][term] * (1.5 if term == "weight_versions" and schedule == "2bw" else 1)
+                assert sum(x[term] for x in sharded) == pytest.approx(whole, rel=0.01), where
+                assert max(x[term] for x in sharded) <= whole * (1 / len(ranks) + 0.05), where
 
 
 @pytest.mark.slow

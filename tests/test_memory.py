@@ -94,9 +94,9 @@ def test_memory_report_counts_microbatches_in_flight():
     seen = []
     original = runtime._backward
 
-    def spy(chunk, mb, grad, **kwargs):
+    def spy(chunk, mb, batch, grad, **kwargs):
         seen.append(runtime.memory_report()["in_flight_microbatches"])
-        return original(chunk, mb, grad, **kwargs)
+        return original(chunk, mb, batch, grad, **kwargs)
 
     runtime._backward = spy
     for batch in batches:

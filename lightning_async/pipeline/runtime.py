@@ -225,6 +225,11 @@ class PipelineRuntime:
     def _slot(self, batch: int) -> list[torch.Tensor]:
         return self.slots[batch % len(self.slots)]
 
+    @property
+    def _versioned_shards(self) -> bool:
+        """FSDP under 2BW: the versions are sharded copies beside the parameters (not the parameters' own storage)."""
+        return self.fsdp and len(self.slots) > 1
+
     def newest(self) -> list[torch.Tensor]:
         if self.fsdp:
             return self.slots[self._newest]
@@ -233,7 +238,7 @@ class PipelineRuntime:
     @torch.no_grad()
     def _hold(self, slot: int) -> None:
         """FSDP with two versions: load version slot ``slot`` into the parameters' shards (the ones FSDP gathers)."""
-        if self.fsdp and len(self.slots) > 1 and slot != self._held:
+        if self._versioned_shards and slot != self._held:
             torch._foreach_copy_([local(p) for p in self.params], [local(t) for t in self.slots[slot]])
             self._held = slot
 
@@ -377,7 +382,7 @@ class PipelineRuntime:
                 if x is not None:
                     local(x).mul_(coef.to(x.dtype))
         out = self._slot(batch + len(self.slots))  # 2BW: V(b+2) replaces V(b); sync: in place
-        versioned = self.fsdp and len(self.slots) > 1
+        versioned = self._versioned_shards
         if versioned:  # the optimizer steps the sharded parameters: they receive V(b+2), from V(b) on entry
             self._hold(batch % len(self.slots))
         delayed_step(
@@ -597,7 +602,8 @@ class PipelineRuntime:
         ef = self.correction.buffers() if self.correction is not None else []
         return {
             "parameters": nbytes(self.params),
-            "weight_versions": sum(nbytes(slot) for slot in self.slots),
+            # every copy of the weights: the slots (FSDP under 2BW: and the parameters' shards FSDP gathers from)
+            "weight_versions": sum(nbytes(slot) for slot in self.slots) + (nbytes(self.params) if self._versioned_shards else 0),
             "optimizer_state": nbytes(state),
             "correction": nbytes(ef),
             "in_flight_microbatches": len(self._inflight),
