@@ -25,12 +25,14 @@ from lightning_async.pipeline.fsdp import check_fsdp_applicable, check_optimizer
 from lightning_async.pipeline.mesh import PipelineMesh
 
 STEPS = 9  # (more than the first updates after a drain: a stale FSDP prefetch showed only from batch 7)
-# Keyed by the number of processes (2 stages x 2 or x 3 replicas): (schedule, optimizer, EF strength, clip).
+# Keyed by the number of processes (2 stages x 2 or x 3 replicas): (schedule, optimizer, correction, clip); the
+# correction is an EF strength or build_correction's keyword arguments (harness.correction_of).
 SCENARIOS = {
     4: [("1f1b", "adamw", 0.0, 1.0), ("gpipe", "lion", 0.0, None), ("interleaved", "adamw", 0.0, 0.5),
         ("2bw", "adamw", 1.0, 1.0)],
     6: [("1f1b", "adamw", 0.0, 1.0), ("gpipe", "adan", 0.0, 1.0), ("interleaved", "mars", 0.0, None),
-        ("2bw", "lion", 1.0, None), ("2bw", "adan", 0.0, 1.0)],
+        ("2bw", "lion", 1.0, None), ("2bw", "adan", 0.0, 1.0),
+        ("2bw", "adamw", {"method": "dc-asgd", "strength": 2.0, "adaptive": True}, 1.0)],  # (reads the stale weights)
 }
 # batches of 24 rows: every replica's share splits into 2 micro-batches for 2 and 3 replicas
 WORKLOAD = dataclasses.replace(harness.SMOLLM2, make_batches=functools.partial(harness.make_batches, batch_size=24))

@@ -31,7 +31,7 @@ from torch import nn
 from torch.func import functional_call
 
 from lightning_async.optim.delayed_step import delayed_step, scheduled_values
-from lightning_async.optim.corrections import Correction, check_applicable
+from lightning_async.optim.corrections import GRADIENT, Correction, check_applicable
 from lightning_async.pipeline import schedules
 from lightning_async.pipeline.fsdp import local, set_gradient_sync
 from lightning_async.pipeline.boundary import flatten, rows, signature, split_rows, unflatten
@@ -383,8 +383,8 @@ class PipelineRuntime:
                     local(x).mul_(coef.to(x.dtype))
         out = self._slot(batch + len(self.slots))  # 2BW: V(b+2) replaces V(b); sync: in place
         versioned = self._versioned_shards
-        if versioned:  # the optimizer steps the sharded parameters: they receive V(b+2), from V(b) on entry
-            self._hold(batch % len(self.slots))
+        if versioned and self.correction is not None and self.correction.level == GRADIENT:
+            self._hold(batch % len(self.slots))  # the gradient's own weights V(b), which such a correction reads
         delayed_step(
             self.optimizer,
             self.params,
