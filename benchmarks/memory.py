@@ -11,7 +11,7 @@ Two parts, one table each:
   backwarded on a chunk (``B``, or ``I`` when the backward is split), counted with that chunk's bytes, plus the
   storages the split backwards' deferred weight gradients hold until their ``W`` (the linear layers' inputs and
   output gradients, read off the runtime's ``DeferredWeightGrads``); the peak bytes of live gradient buffers, and the process's peak RSS growth (``VmHWM`` after resetting it; on CUDA
-  ``torch.cuda.max_memory_allocated`` growth instead). Next to it the model, ``timing.schedule_memory``: weight
+  ``torch.cuda.max_memory_allocated`` growth instead). Next to it the model, ``memory.schedule_memory``: weight
   versions, optimizer state, a gradient accumulator, EF's buffer, and the activations of the schedule's replay
   (each micro-batch's saved bytes from ``F`` to ``B``/``I``, its measured weight-gradient bytes from ``I`` to ``W``).
 * **analytic** (``smollm2-135m`` and ``smollm2-360m`` at p in {4, 8}, m = 2p): ``measure.measure_model`` sizes one
@@ -64,7 +64,7 @@ from lightning_async.pipeline.fsdp import check_fsdp_applicable, local  # noqa: 
 from lightning_async.pipeline.rank import build, plan_rank  # noqa: E402
 from lightning_async.pipeline.stage import StageModule  # noqa: E402
 from lightning_async.pipeline.measure import SavedTensorBytes, measure_model, weight_grad_bytes  # noqa: E402
-from lightning_async.pipeline.timing import schedule_memory  # noqa: E402
+from lightning_async.pipeline.memory import schedule_memory  # noqa: E402
 from lightning_async.pipeline.weight_grad import storage_bytes  # noqa: E402
 from lightning_async.tools.stage_costs import stage_costs_from_measurement  # noqa: E402
 

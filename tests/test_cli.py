@@ -175,7 +175,7 @@ def test_plan_without_arguments_prints_a_nominal_plan_of_the_135m_shape(capsys):
     assert plan_main([]) == 0
     out = capsys.readouterr().out
     assert "nominal costs, nothing measured: smollm2-135m, seq 2048 x micro-batch 1, bfloat16, FLOP counts at 100 TFLOP/s" in out
-    rows = [line.split("|")[1:3] for line in out.splitlines() if line.startswith("| ") and "+2BW" not in line]
+    rows = [line.split("|")[1:3] for line in out.splitlines() if line.startswith("| ") and "recommendation" not in line]
     assert [(int(p), int(m)) for p, m in rows] == [(p, k * p) for p in (4, 8, 16) for k in (1, 2, 4)]
     assert "skipped p=32: 30 layers cannot fill 32 stages" in out
 

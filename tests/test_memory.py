@@ -14,7 +14,7 @@ from lightning_async.models.objective import next_token_loss, split_next_token
 from lightning_async.optim import build_optimizer
 from lightning_async.optim import ErrorFeedbackCorrection
 from lightning_async.pipeline.runtime import PipelineRuntime
-from lightning_async.pipeline.timing import memory_model
+from lightning_async.pipeline.memory import schedule_memory
 
 from _pipeline_harness import SHAPE, make_batches, make_model, rank_runtime
 
@@ -79,13 +79,18 @@ def test_report_before_training_has_no_optimizer_or_ef_state():
 
 
 @pytest.mark.slow
-def test_report_agrees_with_simulator_memory_model():
-    """The measured weight and EF terms are the ones ``timing.memory_model`` adds for 2BW and for EF."""
+def test_report_agrees_with_the_memory_model():
+    """The measured weight and EF terms are the ones ``memory.schedule_memory`` adds for 2BW and for EF."""
     sync, twobw, ef = (train(make_runtime(s, e)) for s, e in (("1f1b", None), ("2bw", None), ("2bw", 1.0)))
-    (model,) = memory_model(sync["parameters"], sync["optimizer_state"], 0, inflight_sync=[0])
-    assert model.twobw - model.sync == twobw["weight_versions"] - sync["weight_versions"]
-    assert model.twobw_ef - model.twobw == ef["correction"]
-    assert model.optimizer == twobw["optimizer_state"] == ef["optimizer_state"]
+
+    def model(schedule: str, buffers: int = 0) -> dict[str, int]:
+        (row,) = schedule_memory(schedule, 1, 2, sync["parameters"], sync["optimizer_state"], 0, correction_buffers=buffers)
+        return row
+
+    one, two, two_ef = model("1f1b"), model("2bw"), model("2bw", buffers=1)
+    assert two["weights"] - one["weights"] == twobw["weight_versions"] - sync["weight_versions"]
+    assert two_ef["correction"] == ef["correction"]
+    assert two["optimizer"] == twobw["optimizer_state"] == ef["optimizer_state"]
 
 
 def test_memory_report_counts_microbatches_in_flight():

@@ -1,4 +1,4 @@
-"""Memory of the zero-bubble schedules: what the model (``timing.schedule_memory``) holds between a split backward's
+"""Memory of the zero-bubble schedules: what the model (``memory.schedule_memory``) holds between a split backward's
 ``I`` and ``W``, against the closed form, the plan's map and what the runtime holds.
 
 A micro-batch holds everything autograd saved for it (``A`` per piece) from ``F`` until ``B``, or until ``I`` when
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from lightning_async.pipeline.schedules import spec
-from lightning_async.pipeline.timing import WEIGHT_GRAD_SHARE, inflight_and_versions, schedule_memory
+from lightning_async.pipeline.memory import WEIGHT_GRAD_SHARE, inflight_and_versions, schedule_memory
 
 GIB = 2**30
 SHAPES = [(2, 2), (2, 4), (3, 3), (4, 4), (4, 8), (4, 16), (8, 8), (8, 24)]
@@ -84,7 +84,7 @@ def test_plan_map_of_smollm2_360m_on_4_stages():
     """The numbers of docs/schedules.md: `plan --compare --model smollm2-360m --tflops 400 --stages 4 --seq-len 2048
     --micro-batch-size 4` (m = 4). ZB-H1's last stage holds one micro-batch in full and the residue of three (20.31
     GiB when all four were held in full)."""
-    from lightning_async.tools.plan import compare_row
+    from lightning_async.tools.plan_table import compare_row
     from lightning_async.tools.stage_costs import nominal_model, stage_costs_from_measurement
 
     costs = stage_costs_from_measurement(nominal_model("smollm2-360m", 2048, 4, "bfloat16", 400.0), 4, 2.0)

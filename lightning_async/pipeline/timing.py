@@ -1,4 +1,4 @@
-"""Timing and memory model of the pipeline schedules (pure Python, no torch).
+"""The timing model of the pipeline schedules (pure Python, no torch).
 
 The simulator executes each rank's action list (:meth:`~lightning_async.pipeline.schedules.ScheduleSpec.run_actions`)
 under the runtime's dependency rules, on the model's pieces (virtual stages; one per rank except for the
@@ -30,24 +30,29 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from lightning_async.pipeline.schedules import (
-    BACKWARD, FORWARD, GRADIENT_ACTIONS, INPUT_GRAD, UPDATE, WEIGHT_GRAD, Action, ScheduleSpec, spec,
-)
+from lightning_async.pipeline.memory import inflight_and_versions
 from lightning_async.pipeline.program import APPLY_UPDATE, Step, lower
+from lightning_async.pipeline.schedules import (
+    BACKWARD, FORWARD, GRADIENT_ACTIONS, INPUT_GRAD, UPDATE, Action, ScheduleSpec, spec,
+)
+from lightning_async.pipeline.shares import per_hop, per_piece, per_rank
+
+# moved to pipeline.memory and pipeline.timeline; importable from here until the next release
+from lightning_async.pipeline.memory import WEIGHT_GRAD_SHARE, peak_activation_bytes, schedule_memory
+from lightning_async.pipeline.timeline import render_timeline
 
 __all__ = [
     "DeadlockError",
     "SimResult",
-    "WEIGHT_GRAD_SHARE",
-    "StageMemory",
-    "memory_model",
     "predict",
-    "render_timeline",
     "simulate",
+    "simulate_lists",
+    # re-exported (moved), see above
+    "WEIGHT_GRAD_SHARE",
     "inflight_and_versions",
     "peak_activation_bytes",
+    "render_timeline",
     "schedule_memory",
-    "simulate_lists",
 ]
 
 
@@ -102,33 +107,6 @@ class SimResult:
         }
 
 
-def _per_stage(value: float | Sequence[float], p: int, name: str) -> list[float]:
-    if isinstance(value, (int, float)):
-        return [float(value)] * p
-    values = [float(v) for v in value]
-    if len(values) != p:
-        raise ValueError(f"{name} has {len(values)} entries, expected one per stage ({p}).")
-    return values
-
-
-def _per_hop(value: float | Sequence[float], pieces: int) -> list[float]:
-    if isinstance(value, (int, float)):
-        return [float(value)] * max(pieces - 1, 0)
-    values = [float(v) for v in value]
-    if len(values) != max(pieces - 1, 0):
-        raise ValueError(f"comm has {len(values)} entries, expected one per hop ({pieces - 1}).")
-    return values
-
-
-def _version_used(schedule: ScheduleSpec, batch: int) -> int:
-    """Number of updates contained in the weights that ``batch`` runs on.
-
-    Flushing schedules use the newest weights, ``W_b`` (updates ``U(0..b-1)``). 2BW uses ``V(b)``: updates
-    ``U(0..b-2)``, i.e. ``max(b - 1, 0)`` of them (``V(0) = V(1) = W0``).
-    """
-    return max(batch - 1, 0) if schedule.delayed else batch
-
-
 def _durations(kind: str, tf: float, tb: float, tw: float) -> float:
     if kind == FORWARD:
         return tf
@@ -161,10 +139,10 @@ def simulate_lists(
     s_ = spec(schedule)
     p = len(actions)
     pieces = s_.virtual_stages(p)
-    tf, tb = _per_stage(forward, pieces, "forward"), _per_stage(backward, pieces, "backward")
-    tw = [b / 2 for b in tb] if weight is None else _per_stage(weight, pieces, "weight")
-    tu, hop = _per_stage(update, p, "update"), _per_hop(comm, pieces)
-    extra = _per_stage(overhead, p, "overhead")
+    tf, tb = per_rank(forward, pieces, "forward"), per_rank(backward, pieces, "backward")
+    tw = [b / 2 for b in tb] if weight is None else per_rank(weight, pieces, "weight")
+    tu, hop = per_rank(update, p, "update"), per_hop(comm, pieces)
+    extra = per_rank(overhead, p, "overhead")
     holder = [s_.holder(k, p) for k in range(pieces)]
     done: list[dict[tuple[str, int, int], float]] = [{} for _ in range(p)]
     ptr, free = [0] * p, [0.0] * p
@@ -229,16 +207,6 @@ def _busy_in(intervals: list[tuple[Action, float, float]], lo: float, hi: float)
     return sum(max(0.0, min(e, hi) - max(s, lo)) for _, s, e in intervals)
 
 
-def _per_piece(value, s_: ScheduleSpec, p: int, name: str) -> list[float]:
-    """Times per piece from a rank's share (a scalar, or one per rank: each of its ``v`` pieces takes 1/v of it)
-    or from one value per piece."""
-    pieces = s_.virtual_stages(p)
-    if not isinstance(value, (int, float)) and len(value) == pieces and pieces != p:
-        return [float(x) for x in value]
-    share = _per_stage(value, p, name)
-    return [share[s_.holder(k, p)[0]] / s_.chunks for k in range(pieces)]
-
-
 def simulate(
     schedule: "str | ScheduleSpec",
     num_stages: int,
@@ -268,10 +236,10 @@ def simulate(
         raise ValueError(f"num_batches must be >= 1, got {num_batches}.")
     p, m = num_stages, n_microbatches
     lists = [s_.run_actions(r, p, m, num_batches) for r in range(p)]
-    tf, tb = _per_piece(forward, s_, p, "forward"), _per_piece(backward, s_, p, "backward")
-    tw = None if weight is None else _per_piece(weight, s_, p, "weight")
+    tf, tb = per_piece(forward, s_, p, "forward"), per_piece(backward, s_, p, "backward")
+    tw = None if weight is None else per_piece(weight, s_, p, "weight")
     trace = simulate_lists(lists, tf, tb, comm, update, tw, s_)
-    tu = _per_stage(update, p, "update")
+    tu = per_rank(update, p, "update")
 
     total = max((t[-1][2] for t in trace if t), default=0.0)
     batch_end = [0.0] * num_batches
@@ -325,87 +293,6 @@ def simulate(
     )
 
 
-#: what a split backward keeps of a micro-batch from ``I`` to ``W``, as a share of its activations, when the bytes
-#: are not given: a decoder block's linear-layer inputs and output gradients are about 70% of what it saves for the
-#: backward (``stage_costs.nominal_model``; measured 0.70 on SmolLM2 blocks, ``measure.weight_grad_bytes``)
-WEIGHT_GRAD_SHARE = 0.7
-
-
-def _activation_changes(a: Action, full: float, residue: float) -> tuple[float, float]:
-    """``(change of the activation bytes held, change of the micro-batches held in full)`` after action ``a`` on a
-    piece whose micro-batch saves ``full`` bytes for its backward and keeps ``residue`` of them from ``I`` to ``W``:
-
-    * ``F``: ``+full`` (everything autograd saves for the backward);
-    * ``B`` (a whole backward): ``-full``;
-    * ``I`` (a split backward's input gradient): ``-full + residue``: autograd frees the graph, and only what the
-      deferred weight gradients need stays, each linear layer's input and output gradient
-      (:mod:`~lightning_async.pipeline.weight_grad`);
-    * ``W``: ``-residue``.
-    """
-    if a.kind == FORWARD:
-        return full, 1
-    if a.kind == BACKWARD:
-        return -full, -1
-    if a.kind == INPUT_GRAD:
-        return residue - full, -1
-    if a.kind == WEIGHT_GRAD:
-        return -residue, 0
-    return 0.0, 0
-
-
-def peak_activation_bytes(schedule: "str | ScheduleSpec", lists: Sequence[Sequence[Action]], piece_bytes: Sequence[float],
-                          weight_grad_bytes: Sequence[float] | None = None) -> list[float]:
-    """Per rank, replaying its list: the peak of the activation bytes held after each action.
-
-    A micro-batch forwarded on a piece holds that piece's ``piece_bytes`` (what autograd saves for the backward)
-    from its ``F`` until its backward: a whole ``B`` frees them; a split backward's ``I`` frees them but for the
-    piece's ``weight_grad_bytes`` (the linear layers' inputs and output gradients the deferred weight gradients
-    need; default :data:`WEIGHT_GRAD_SHARE` of ``piece_bytes``), which its ``W`` frees.
-    """
-    s_ = spec(schedule)
-    residue = [b * WEIGHT_GRAD_SHARE for b in piece_bytes] if weight_grad_bytes is None else list(weight_grad_bytes)
-    p, peaks = len(lists), []
-    for r, actions in enumerate(lists):
-        held = peak = 0.0
-        for a in actions:
-            if a.kind != UPDATE:
-                k = s_.piece(r, a.chunk, p)
-                held += _activation_changes(a, piece_bytes[k], residue[k])[0]
-            peak = max(peak, held)
-        peaks.append(peak)
-    return peaks
-
-
-def inflight_and_versions(schedule: "str | ScheduleSpec", lists: Sequence[Sequence[Action]]) -> tuple[list[float], list[int]]:
-    """Per rank, replaying its list: the peak of the micro-batches whose activations are held in full, in
-    micro-batches of the rank's whole share (a chunk's micro-batch counts ``1/v``; held from ``F`` until ``B``, or
-    until ``I`` when the backward is split: after it only the weight gradients' inputs stay, see
-    :func:`peak_activation_bytes`), and the peak number of live weight versions (a micro-batch's version stays live
-    until its last backward action, ``W`` when split: its weight gradient accumulates into that version)."""
-    s_ = spec(schedule)
-    last = WEIGHT_GRAD if s_.split_backward else BACKWARD
-    peaks, versions = [], []
-    for actions in lists:
-        reading: dict[int, int] = {}  # batch -> (chunk, micro-batch) pairs whose last backward action is to come
-        updates, peak, live_peak, count = 0, 0, 1, 0
-        for a in actions:
-            count += _activation_changes(a, 0.0, 0.0)[1]
-            if a.kind == FORWARD:
-                reading[a.batch] = reading.get(a.batch, 0) + 1
-            elif a.kind == last:
-                reading[a.batch] -= 1
-                if not reading[a.batch]:
-                    del reading[a.batch]
-            elif a.kind == UPDATE:
-                updates += 1
-            peak = max(peak, count)
-            live = {updates} | {_version_used(s_, b) for b in reading}
-            live_peak = max(live_peak, len(live))
-        peaks.append(peak / s_.chunks if s_.chunks > 1 else peak)
-        versions.append(live_peak)
-    return peaks, versions
-
-
 def predict(
     schedule: "str | ScheduleSpec",
     p: int,
@@ -443,167 +330,3 @@ def predict(
         "weight_versions": r.weight_versions,
         "batch_end_s": r.batch_end,
     }
-
-
-# ----------------------------------------------------------------------------------------------------- memory
-
-
-@dataclass(frozen=True)
-class StageMemory:
-    """Bytes one stage holds. ``sync``: one weight version; ``twobw``: two; ``twobw_ef``: two plus ``u_prev``."""
-
-    params: int
-    grads: int
-    optimizer: int
-    activations_sync: int
-    activations_2bw: int
-    sync: int
-    twobw: int
-    twobw_ef: int
-
-
-def memory_model(
-    param_bytes: int | Sequence[int],
-    optimizer_bytes: int | Sequence[int],
-    activation_bytes: int | Sequence[int],
-    inflight_sync: Sequence[int],
-    inflight_2bw: Sequence[int] | None = None,
-    grad_bytes: int | Sequence[int] | None = None,
-) -> list[StageMemory]:
-    """Per-stage memory for synchronous training, 2BW and 2BW with Error Feedback.
-
-    ``param_bytes``/``optimizer_bytes``/``activation_bytes`` (per in-flight micro-batch) are scalars or one per
-    stage; ``inflight_*`` are the peak in-flight micro-batches per stage (from :func:`simulate`). Gradients are
-    one parameter-sized accumulator (``grad_bytes``, default ``param_bytes``): under 2BW backwards run in order,
-    so only one batch accumulates at a time. 2BW keeps a second weight version; EF adds one parameter-sized
-    buffer (the previous update).
-    """
-    p = len(inflight_sync)
-    inflight_2bw = list(inflight_sync) if inflight_2bw is None else list(inflight_2bw)
-
-    def per(v, name):
-        return [int(x) for x in _per_stage(v, p, name)]
-
-    params, opt, act = per(param_bytes, "param_bytes"), per(optimizer_bytes, "optimizer_bytes"), per(
-        activation_bytes, "activation_bytes"
-    )
-    grads = params if grad_bytes is None else per(grad_bytes, "grad_bytes")
-    out = []
-    for s in range(p):
-        a_sync, a_2bw = act[s] * inflight_sync[s], act[s] * inflight_2bw[s]
-        base = grads[s] + opt[s]
-        out.append(
-            StageMemory(
-                params=params[s],
-                grads=grads[s],
-                optimizer=opt[s],
-                activations_sync=a_sync,
-                activations_2bw=a_2bw,
-                sync=params[s] + base + a_sync,
-                twobw=2 * params[s] + base + a_2bw,
-                twobw_ef=3 * params[s] + base + a_2bw,
-            )
-        )
-    return out
-
-
-def schedule_memory(
-    schedule: "str | ScheduleSpec",
-    num_stages: int,
-    n_microbatches: int,
-    param_bytes: int | Sequence[int],
-    optimizer_bytes: int | Sequence[int],
-    activation_bytes: int | Sequence[int],
-    correction_buffers: int = 0,
-    grad_bytes: int | Sequence[int] | None = None,
-    data_parallel_size: int = 1,
-    shard_optimizer: bool = False,
-    weight_grad_bytes: int | Sequence[int] | None = None,
-    fsdp: bool = False,
-) -> list[dict[str, int]]:
-    """Per rank, the bytes ``schedule`` holds at its peak: weights (one version per ``weight_versions``), one
-    gradient accumulator, optimizer state, a correction's parameter-sized buffers (EF: 1), and the activations held
-    at the peak (:func:`peak_activation_bytes`).
-
-    Activations, per micro-batch and piece: from ``F`` to ``B`` (or to ``I``, the input gradient of a split
-    backward) everything autograd saves for the backward, ``activation_bytes``; from ``I`` to ``W`` (zero-bubble
-    schedules: ``zbh1``, ``zbv``, ``2bw-split``) only what the deferred weight gradients need, the linear layers'
-    inputs and output gradients, ``weight_grad_bytes`` (per micro-batch, in the same form as ``activation_bytes``;
-    default :data:`WEIGHT_GRAD_SHARE` of it; ``stage_costs`` gives both). So ZB-H1's peak is 1F1B's plus the
-    weight-gradient residue of the micro-batches whose ``W`` it defers, not their whole activations.
-
-    ``param_bytes``/``optimizer_bytes``/``grad_bytes`` (default ``param_bytes``): a rank's share, a scalar or one value
-    per rank, the same whatever the schedule. ``activation_bytes``: what one micro-batch saves for the backward on a
-    rank's whole share (a scalar or one per rank: a schedule with ``v`` chunks holds ``v`` pieces of ``1/v`` of it
-    each), or one value per piece. ``shard_optimizer`` (ZeRO-1 over ``data_parallel_size`` replicas): the optimizer
-    state and the correction's buffers are split evenly over the replicas (the runtime's shares are whole parameters
-    balanced by size, so a stage of few large tensors holds a little more; ``benchmarks/memory.py`` measures it).
-    ``fsdp`` (FSDP2 inside a stage, :mod:`~lightning_async.pipeline.fsdp`): the optimizer state, the buffers and the
-    weights are ``1/dp`` each, under 2BW three weight shards (the two versions and the parameters FSDP gathers from);
-    the gradient stays whole, as FSDP accumulates it unsharded over a batch's micro-batches and reduce-scatters once
-    (a unit's gathered weights, transient, are left out).
-    """
-    if (shard_optimizer or fsdp) and data_parallel_size < 2:
-        raise ValueError("shard_optimizer and fsdp need data_parallel_size > 1 (the state is split over the replicas).")
-    if shard_optimizer and fsdp:
-        raise ValueError("fsdp already shards the optimizer state: pass shard_optimizer=False with it.")
-    share = data_parallel_size if shard_optimizer or fsdp else 1
-    s_ = spec(schedule)
-    p = num_stages
-    lists = [s_.run_actions(r, p, n_microbatches, 2) for r in range(p)]
-    inflight, _ = inflight_and_versions(s_, lists)
-
-    def per(v, name):
-        return [int(x) for x in _per_stage(v, p, name)]
-
-    params, opt = per(param_bytes, "param_bytes"), per(optimizer_bytes, "optimizer_bytes")
-    piece_bytes = _per_piece(activation_bytes, s_, p, "activation_bytes")
-    residue = None if weight_grad_bytes is None else _per_piece(weight_grad_bytes, s_, p, "weight_grad_bytes")
-    activations = peak_activation_bytes(s_, lists, piece_bytes, residue)
-    grads = params if grad_bytes is None else per(grad_bytes, "grad_bytes")
-    weight_copies = s_.weight_versions + (1 if fsdp and s_.weight_versions > 1 else 0)
-    out = []
-    for r in range(p):
-        row = {
-            "weights": weight_copies * params[r] // (data_parallel_size if fsdp else 1), "gradients": grads[r],
-            "optimizer": opt[r] // share,
-            "correction": correction_buffers * params[r] // share, "activations": int(round(activations[r])),
-            "inflight_microbatches": inflight[r],
-        }
-        row["total"] = row["weights"] + row["gradients"] + row["optimizer"] + row["correction"] + row["activations"]
-        out.append(row)
-    return out
-
-
-# ----------------------------------------------------------------------------------------------------- timeline
-
-
-def render_timeline(result: SimResult, chars_per_unit: int = 3, unit: float | None = None) -> str:
-    """ASCII timeline, one row per rank: ``F5``/``B5`` = forward/backward of micro-batch 5 (``I5``/``W5``: a split
-    backward's input and weight gradients; ``F5c1``: on the rank's chunk 1), ``.`` = idle,
-    ``|`` = the update (``U``) of a batch finishes there (when updates take no time), ``U`` = a timed update.
-
-    ``unit`` is the time per ``chars_per_unit`` characters (default: the shortest action duration).
-    """
-    durations = [e - s for t in result.trace for _, s, e in t if e > s]
-    if unit is None:
-        unit = min(durations) if durations else 1.0
-    width = int(round(result.total_time / unit * chars_per_unit)) + 1
-    rows = []
-    for s, t in enumerate(result.trace):
-        row = ["."] * width
-        marks = []
-        for a, start, end in t:
-            i, j = int(round(start / unit * chars_per_unit)), int(round(end / unit * chars_per_unit))
-            if j == i:
-                if a.kind == UPDATE:
-                    marks.append(i)
-                continue
-            label = " " + (repr(a) if a.kind != UPDATE else "U")
-            cell = (label + " " * (j - i))[: j - i]
-            row[i:j] = list(cell)
-        for i in marks:
-            if i < width:
-                row[i] = "|"
-        rows.append(f"s{s} " + "".join(row).rstrip("."))
-    return "\n".join(rows)
