@@ -7,7 +7,10 @@ path (so state-dict keys stay Hugging Face's). Decoder layers get what they need
 (position ids, the RoPE tables and attention mask of their attention kind, ALiBi biases) from
 :meth:`HFCausalLM.pipeline_context`, which every stage computes for itself
 (:mod:`~lightning_async.models.hf_context`). At construction the units are checked against the model's own
-forward (:mod:`~lightning_async.models.hf_check`), and a mismatch names where they part.
+forward (:mod:`~lightning_async.models.hf_check`), and a mismatch names where they part. The Hugging Face model
+itself is loaded by :mod:`~lightning_async.models.hf_loading`, its routers (a mixture of experts) found by
+:mod:`~lightning_async.models.hf_moe`, and its hooks made picklable by :mod:`~lightning_async.models.hf_pickling`;
+this module is the LightningModule that ties them together.
 
 ``transformers`` is an optional dependency (``pip install -e ".[hf]"``); this module imports it.
 """
@@ -17,81 +20,28 @@ from __future__ import annotations
 import os
 
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
-try:
-    from transformers import AutoModelForCausalLM
-except ImportError as err:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        "lightning_async.models.hf needs the transformers package: pip install 'lightning-async[hf]' "
-        "(or pip install 'transformers>=4.50')."
-    ) from err
-
+# first: it says what to install when transformers is missing
+from lightning_async.models.hf_loading import load_causal_lm
 from lightning_async.models.hf_check import check_units
-from lightning_async.models.hf_config import check_local_source, config_from_dict, resolve_config
+from lightning_async.models.hf_config import config_from_dict, resolve_config
 from lightning_async.models.hf_context import layer_context
 from lightning_async.models.hf_layouts import HOW_TO_OVERRIDE, context_layout, plan_units
-from lightning_async.models.hf_moe import MoEDecoderLayerUnit, MoELayers, moe_layers_of
+from lightning_async.models.hf_moe import (
+    MoEDecoderLayerUnit, MoELayers, aux_loss_microbatches, moe_layers_of, warn_if_unbalanced,
+)
+from lightning_async.models.hf_pickling import refuse_local_hooks, strip_output_capturing_hooks
 from lightning_async.models.hf_units import DecoderLayerUnit, LogitsHead, PositionsAdded, ScaledEmbedding, UnitView, run_units
+from lightning_async.models.moe import RouterStatistics
 from lightning_async.models.moe_logging import ExpertStatisticsLogger
 from lightning_async.models.training import CausalLMTraining
 
+# the building blocks live in the hf_* modules; these names stay importable from here
 __all__ = [
     "HFCausalLM", "DecoderLayerUnit", "MoEDecoderLayerUnit", "MoELayers", "UnitView", "PositionsAdded", "ScaledEmbedding",
     "LogitsHead", "run_units", "plan_units", "moe_layers_of", "config_from_dict", "resolve_config", "HOW_TO_OVERRIDE",
 ]
-
-_CAPTURING_MODULE = "transformers.utils.output_capturing"  # where Hugging Face's local capture hooks are defined
-_NO_SDPA = "does not support an attention implementation through torch.nn.functional.scaled_dot_product_attention"
-
-
-# ---- pickling ---------------------------------------------------------------------------------
-def _hook_dicts(module: nn.Module):
-    return [module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks]
-
-
-def strip_output_capturing_hooks(model: nn.Module) -> int:
-    """Remove Hugging Face's output-capturing forward hooks from ``model`` and mark it unhooked, so transformers
-    installs them again when a forward next records outputs. Returns how many were removed."""
-    removed = 0
-    for module in model.modules():
-        hooks = module._forward_hooks
-        for key in [k for k, fn in hooks.items() if getattr(fn, "__module__", None) == _CAPTURING_MODULE]:
-            del hooks[key]
-            module._forward_hooks_with_kwargs.pop(key, None)
-            module._forward_hooks_always_called.pop(key, None)
-            removed += 1
-        if getattr(module, "_output_capturing_hooks_installed", False):
-            module._output_capturing_hooks_installed = False
-    return removed
-
-
-def refuse_local_hooks(model: nn.Module) -> None:
-    """Raise, naming the module and the hook, if a hook on ``model`` is a local function (pickle cannot send it
-    to the processes the spawn launcher starts)."""
-    for name, module in model.named_modules():
-        for hooks in _hook_dicts(module):
-            for fn in hooks.values():
-                if "<locals>" in getattr(fn, "__qualname__", ""):
-                    raise TypeError(
-                        f"The module at {name or 'model'!r} has a hook {fn.__qualname__!r} (a local function), which cannot "
-                        "be pickled for the processes of the spawn launcher. Remove the hook before trainer.fit, or launch "
-                        "with start_method='popen' (the default of AsyncPipelineStrategy; the lightning-async CLI uses it)."
-                    )
-
-
-def load_model(load, source, attn_implementation: str, **kwargs) -> nn.Module:
-    """``load(source, attn_implementation=..., **kwargs)``; where the family has no SDPA attention (Gemma 2, BLOOM,
-    GPT-OSS) and SDPA was asked for, the eager implementation, with a warning."""
-    try:
-        return load(source, attn_implementation=attn_implementation, **kwargs)
-    except ValueError as err:
-        if attn_implementation != "sdpa" or _NO_SDPA not in str(err):
-            raise
-        family = str(err).split(" does not support")[0]
-    rank_zero_warn(f"{family} has no SDPA attention: using attn_implementation='eager'.")
-    return load(source, attn_implementation="eager", **kwargs)
 
 
 class HFCausalLM(CausalLMTraining):
@@ -133,27 +83,15 @@ class HFCausalLM(CausalLMTraining):
         **training,
     ) -> None:
         super().__init__(**training)
-        pretrained = isinstance(model, (str, os.PathLike)) and os.path.isdir(model)
-        if isinstance(model, (str, os.PathLike)):
-            check_local_source(os.fspath(model))
+        self.model, pretrained = load_causal_lm(model, vocab_size, model_overrides, attn_implementation)
         if pretrained:
-            self.model = load_model(
-                AutoModelForCausalLM.from_pretrained, model, attn_implementation, dtype=torch.float32, local_files_only=True,
-                **(model_overrides or {}),
-            )
-            self._check_vocab_fits(vocab_size, str(model))
             self.hparams["pretrained_from"] = os.fspath(model)  # for the record; not an argument
-        else:
-            config = resolve_config(model, model_overrides)
-            if vocab_size is not None:
-                config.vocab_size = vocab_size
-            self.model = load_model(AutoModelForCausalLM.from_config, config, attn_implementation, dtype=torch.float32)
         self.model.train()  # from_pretrained leaves the model in eval mode; training runs in train mode (dropout on)
         self.config = self.model.config
         # the checkpoint's hyperparameters rebuild this model from the config alone (weights come from the state dict)
         self.hparams.update(model=self.config.to_diff_dict(), vocab_size=self.config.vocab_size, model_overrides=None)
         self.moe = moe_layers_of(self.model)
-        self._warn_if_unbalanced()
+        warn_if_unbalanced(self.model, self.moe)
         if self.moe is not None:
             self.moe.loss.whole_batch_per_forward(self._aux_loss_microbatches(None))
         self.check_units()
@@ -162,38 +100,10 @@ class HFCausalLM(CausalLMTraining):
                 if isinstance(unit, DecoderLayerUnit):
                     unit.layer.compile()
 
-    def _check_vocab_fits(self, vocab_size: int | None, source: str) -> None:
-        model_vocab = self.model.config.vocab_size
-        if vocab_size is not None and vocab_size > model_vocab:
-            raise ValueError(
-                f"The tokenizer has {vocab_size} tokens but the pretrained model at {source} embeds only {model_vocab}: "
-                "train with the model's own tokenizer (data.tokenizer), or start from a config (random weights) "
-                "whose vocab_size the tokenizer sets."
-            )
-
     # ---- mixture of experts ------------------------------------------------------------------
-    def _warn_if_unbalanced(self) -> None:
-        config = self.config
-        if self.moe is not None and not self.moe.loss.active and getattr(config, "router_aux_loss_coef", 0):
-            rank_zero_warn(
-                f"{type(self.model).__name__} is a mixture of experts trained without router load balancing: its config "
-                "has output_router_logits=False, so (as in Hugging Face) router_aux_loss_coef is not applied and the "
-                "routers may collapse onto a few experts. Set model_overrides: {output_router_logits: true} to train "
-                "with the per-layer load-balancing loss."
-            )
-
     def _aux_loss_microbatches(self, pipeline_microbatches: int | None) -> int:
-        """Micro-batches the router losses average over: the pipeline's (checked against the argument) or the argument."""
-        given = self.hparams.get("aux_loss_microbatches")
-        if given is not None and (not isinstance(given, int) or given < 1):
-            raise ValueError(f"aux_loss_microbatches must be a positive integer (micro-batches per batch), got {given!r}.")
-        if pipeline_microbatches is not None and given not in (None, pipeline_microbatches):
-            raise ValueError(
-                f"aux_loss_microbatches={given}, but this pipeline computes the router losses on each of its "
-                f"{pipeline_microbatches} micro-batches (n_microbatches x data_parallel_size): set aux_loss_microbatches "
-                f"to {pipeline_microbatches} (or leave it unset) so one device and the pipeline train the same objective."
-            )
-        return pipeline_microbatches or given or 1
+        """Micro-batches the router losses average over (:func:`~lightning_async.models.hf_moe.aux_loss_microbatches`)."""
+        return aux_loss_microbatches(self.hparams.get("aux_loss_microbatches"), pipeline_microbatches)
 
     def setup(self, stage: str) -> None:
         """Under a pipeline strategy (it has ``n_microbatches``) each forward is one micro-batch: the router losses'

@@ -1,12 +1,14 @@
 """Mixtures of experts under ``HFCausalLM``: which module is a layer's router (from the model's own
-``_can_record_outputs``), the router-loss coefficients Hugging Face applies, and the decoder-layer unit that
-attaches each layer's load-balancing loss to its output."""
+``_can_record_outputs``), the router-loss coefficients Hugging Face applies, the decoder-layer unit that
+attaches each layer's load-balancing loss to its output, and the checks of how the router losses are trained
+(load balancing off, the micro-batches they average over)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from lightning_async.models.hf_units import DecoderLayerUnit
@@ -81,3 +83,30 @@ def moe_layers_of(hf: nn.Module) -> MoELayers | None:
         moe_layers=len(routers),
     )
     return MoELayers(router_class, index, int(top_k), loss)
+
+
+def warn_if_unbalanced(hf: nn.Module, moe: MoELayers | None) -> None:
+    """Warn (rank zero) when the mixture of experts ``hf`` trains without router load balancing: its config has a
+    ``router_aux_loss_coef`` but ``output_router_logits=False``, so Hugging Face does not apply it."""
+    config = hf.config
+    if moe is not None and not moe.loss.active and getattr(config, "router_aux_loss_coef", 0):
+        rank_zero_warn(
+            f"{type(hf).__name__} is a mixture of experts trained without router load balancing: its config "
+            "has output_router_logits=False, so (as in Hugging Face) router_aux_loss_coef is not applied and the "
+            "routers may collapse onto a few experts. Set model_overrides: {output_router_logits: true} to train "
+            "with the per-layer load-balancing loss."
+        )
+
+
+def aux_loss_microbatches(given, pipeline_microbatches: int | None) -> int:
+    """Micro-batches the router losses average over: the pipeline's (checked against ``given``, the
+    ``aux_loss_microbatches`` argument) or ``given`` (default 1)."""
+    if given is not None and (not isinstance(given, int) or given < 1):
+        raise ValueError(f"aux_loss_microbatches must be a positive integer (micro-batches per batch), got {given!r}.")
+    if pipeline_microbatches is not None and given not in (None, pipeline_microbatches):
+        raise ValueError(
+            f"aux_loss_microbatches={given}, but this pipeline computes the router losses on each of its "
+            f"{pipeline_microbatches} micro-batches (n_microbatches x data_parallel_size): set aux_loss_microbatches "
+            f"to {pipeline_microbatches} (or leave it unset) so one device and the pipeline train the same objective."
+        )
+    return pipeline_microbatches or given or 1
