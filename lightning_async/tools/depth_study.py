@@ -169,9 +169,9 @@ def seed_rows(runs: dict[tuple[str, str, str], dict[int, Curve]], source: str = 
     """:class:`SeedRow` for every finished delayed run whose seed has a sync run of the same optimizer."""
     rows = []
     for (optimizer, profile, mode), by_seed in runs.items():
-        sync = runs.get((optimizer, "2bw", "sync"), {})
         if mode not in CORRECTIONS:
             continue
+        sync = runs.get((optimizer, "2bw", "sync"), {})
         for seed in sorted(set(by_seed) & set(sync)):
             final_step, final = by_seed[seed][-1]
             reached = steps_to_reach(sync[seed], final)
@@ -233,11 +233,11 @@ def summarize(rows: list[SeedRow]) -> list[DepthRow]:
         share, share_interval, shares, share_n = (None, None, [], 0)
         if correction != "none":
             share, share_interval, shares, share_n = recovered_share(gaps.get((optimizer, profile, "none"), {}), by_seed)
-        slowdowns = [by_key[(optimizer, profile, correction, s)] for s in seeds]
+        recorded = [by_key[(optimizer, profile, correction, s)] for s in seeds]
         summaries.append(DepthRow(
             optimizer, profile, correction, len(seeds), statistics.fmean(values),
             interval.low if interval else None, interval.high if interval else None, share,
-            statistics.fmean(r.slowdown for r in slowdowns), any(r.slowdown_is_bound for r in slowdowns),
+            statistics.fmean(r.slowdown for r in recorded), any(r.slowdown_is_bound for r in recorded),
             share_interval.low if share_interval else None, share_interval.high if share_interval else None,
             tuple(seeds), tuple(values), tuple(shares), share_n))
     return summaries
@@ -376,7 +376,6 @@ def main(argv: list[str] | None = None) -> int:
     if not rows:
         print(f"error: no finished depth-study runs with a sync run under {args.root}", file=sys.stderr)
         return 2
-    result = findings(rows)
     print(format_rows(summarize(rows)))
     print("\npaired differences between configurations (seeds in common, 95% t interval):\n")
     print(format_comparisons(comparisons(rows)))
@@ -384,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     if unfinished:
         print(f"({unfinished} unfinished run(s) left out)")
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        Path(args.json).write_text(json.dumps(findings(rows), indent=2) + "\n")
     return 0
 
 
