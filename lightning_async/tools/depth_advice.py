@@ -1,28 +1,33 @@
 """What the depth study supports for a pipeline of ``p`` stages: the delay profile (2BW's constant one step,
 or PipeDream's ``p - 1 - s``) and the correction, said only for what was measured.
 
-The measurements are the rows of :mod:`lightning_async.tools.depth_study`, shipped as ``depth_findings.json``
-beside this module (docs/results.md, "Depth", has the commands that produced them). ``probe --stages P`` and
-``plan --compare`` print :func:`depth_advice` for their stage counts.
+The measurements are the paired summaries of :mod:`lightning_async.tools.depth_study` (every seed's gap to the sync
+run of its seed, the mean with its 95% paired t interval, and the paired differences between configurations),
+shipped as ``depth_findings.json`` beside this module (docs/results.md, Part D, has the command that produced it).
+``probe --stages P`` and ``plan --compare`` print :func:`depth_advice` for their stage counts. A recommendation is
+"established" only where the paired interval of the best configuration against the runner-up (and against the
+best of the other delay profile) excludes zero.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from lightning_async.tools.depth_study import DepthRow
+from lightning_async.tools.depth_study import Comparison, DepthRow, find_comparison, load_summaries
 
 FINDINGS = Path(__file__).with_name("depth_findings.json")
 SOURCE = "docs/results.md, Depth"
 
 
 def load_findings(path: Path = FINDINGS) -> list[DepthRow]:
-    """The shipped depth-study rows (an empty list when there are none)."""
-    if not path.is_file():
-        return []
-    return [DepthRow(**row) for row in json.loads(path.read_text())]
+    """The shipped depth-study summaries (an empty list when there are none)."""
+    return load_summaries(path)[0] if path.is_file() else []
+
+
+def load_comparisons(path: Path = FINDINGS) -> list[Comparison]:
+    """The shipped paired differences between configurations (an empty list when there are none)."""
+    return load_summaries(path)[1] if path.is_file() else []
 
 
 def _label(row: DepthRow) -> str:
@@ -31,18 +36,38 @@ def _label(row: DepthRow) -> str:
 
 
 def _describe(row: DepthRow) -> str:
-    ci = f", 95% CI {row.gap_low:+.3f} to {row.gap_high:+.3f}" if row.gap_low is not None else ", one seed: no interval"
+    interval = row.gap_interval
+    ci = f", 95% CI {interval.low:+.3f} to {interval.high:+.3f}" if interval else ", one seed: no interval"
     return f"{_label(row)}: gap to sync {row.gap:+.3f}{ci}, n={row.seeds}"
 
 
-def depth_advice(stages: int, findings: Sequence[DepthRow] | None = None, optimizer: str = "adamw") -> str:
-    """One paragraph for ``stages`` pipeline stages: the measured profile and correction with the smallest gap to
-    sync, with the runner-up, or what is not measured."""
+def _verdict(best: DepthRow, other: DepthRow, compared: Sequence[Comparison], name: str) -> str:
+    """``established: ...`` when the paired interval of ``best - other`` lies below zero; otherwise ``not
+    established: ...`` and why."""
+    found = find_comparison(list(compared), best.optimizer, (best.profile, best.correction),
+                            (other.profile, other.correction))
+    if found is None:
+        return f"not established: fewer than two seeds in common with {name}, no paired interval; more seeds would settle it."
+    mean, interval = found
+    said = f"best minus {name} {mean:+.3f} ({interval.describe()}, paired by seed)"
+    if interval.below(0.0):
+        return f"established: {said}."
+    return f"not established: {said} includes 0; more seeds would settle it."
+
+
+def depth_advice(stages: int, findings: Sequence[DepthRow] | None = None, optimizer: str = "adamw",
+                 comparisons: Sequence[Comparison] | None = None) -> str:
+    """One paragraph for ``stages`` pipeline stages: the measured profile and correction with the smallest mean gap
+    to sync, with the runner-up and whether the paired difference of the two is established (and, when the
+    runner-up has the same profile, the same against the best of the other profile), or what is not measured. Without ``findings`` the shipped summaries and comparisons are read; ``comparisons`` default to the
+    shipped ones then, and to none when ``findings`` are given."""
     if not isinstance(stages, int) or stages < 1:
         raise ValueError(f"stages must be a positive number of pipeline stages, got {stages!r}")
     if stages == 1:
         return "p=1: one stage, no pipeline staleness (nothing to correct)."
-    rows = [r for r in (load_findings() if findings is None else findings) if r.optimizer == optimizer]
+    if findings is None:
+        findings, comparisons = load_findings(), load_comparisons() if comparisons is None else comparisons
+    rows = [r for r in findings if r.optimizer == optimizer]
     measured = sorted({int(r.profile.split("-")[1]) for r in rows if r.profile.startswith("pipedream-")})
     candidates = [r for r in rows if r.profile in ("2bw", f"pipedream-{stages}")]
     if not candidates:
@@ -56,13 +81,16 @@ def depth_advice(stages: int, findings: Sequence[DepthRow] | None = None, optimi
         text += f". PipeDream's profile at p={stages} is not measured (measured p: {', '.join(map(str, measured)) or 'none'})"
     if not others:
         return text + "."
-    significant = best.gap_high is not None and others[0].gap_low is not None and best.gap_high < others[0].gap_low
-    text += ". " + ("The two intervals do not overlap." if significant else
-                    "Not established: the intervals overlap or are missing; more seeds would settle it.")
+    verdict = _verdict(best, others[0], comparisons or (), "the runner-up")
+    text += ". " + verdict[0].upper() + verdict[1:]
+    rival = next((r for r in others if r.profile != best.profile), None)
+    if rival is not None and rival is not others[0]:
+        text += f" Against the best of {rival.profile} ({_label(rival)}, gap {rival.gap:+.3f}): "
+        text += _verdict(best, rival, comparisons or (), rival.profile)
     return text
 
 
 def depth_advice_lines(stages: Iterable[int], optimizer: str = "adamw") -> str:
     """:func:`depth_advice` for each stage count, one per line (what ``plan --compare`` prints)."""
-    findings = load_findings()
-    return "\n".join(depth_advice(p, findings, optimizer) for p in stages)
+    findings, comparisons = load_findings(), load_comparisons()
+    return "\n".join(depth_advice(p, findings, optimizer, comparisons) for p in stages)
