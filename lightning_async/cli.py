@@ -38,7 +38,7 @@ TOOL_SUMMARIES = {
     "study": "run a matrix of trainings: optimizers x modes x corrections x seeds",
     "compare": "gap table, report and curves of finished runs (sync vs async)",
     "probe": "what the one-step delay costs your recipe, and the correction to use",
-    "plan": "planning map: each schedule's time and memory per shape, 2BW vs the best sync one",
+    "plan": "each schedule's time and memory per shape; 2BW vs the best sync one",
     "export": "a checkpoint as a Hugging Face model (--to: one-device|pipeline)",
     "recipes": "list the shipped recipes, or copy one out to edit",
 }

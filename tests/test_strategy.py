@@ -329,10 +329,18 @@ def test_one_way_to_set_a_correction():
     with pytest.warns(DeprecationWarning, match="correction="):
         old = AsyncPipelineStrategy(error_feedback=1.0)
     assert old.correction == {"method": "ef", "strength": 1.0}
+    from types import SimpleNamespace
+
+    from lightning_async.callbacks import DelayCorrection, ErrorFeedback
+    from lightning_async.callbacks.delay import pipeline_correction_setting
+
     strategy = AsyncPipelineStrategy(correction="ef")
-    strategy.use_correction("ef")  # the same one again (a callback agreeing with the constructor)
+    agreeing = SimpleNamespace(callbacks=[ErrorFeedback()], strategy=strategy)  # a callback agreeing with the constructor
+    assert isinstance(strategy.make_correction(agreeing), ErrorFeedbackCorrection)
+    from_callback = pipeline_correction_setting(SimpleNamespace(callbacks=[DelayCorrection("nesterov")]), None)
+    assert from_callback == {"method": "nesterov"}
     with pytest.raises(ValueError, match="choose one"):
-        strategy.use_correction({"method": "nesterov"})
+        strategy.make_correction(SimpleNamespace(callbacks=[DelayCorrection("nesterov")], strategy=strategy))
     with pytest.raises(ValueError, match="Unknown correction 'efx'"):
         AsyncPipelineStrategy(correction="efx")
     with pytest.raises(ValueError, match="changes the weights the forward reads"):

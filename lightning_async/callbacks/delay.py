@@ -11,12 +11,12 @@ callback's wrapper, or the pipeline strategy. Both paths apply it through the sa
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_async import compat
-from lightning_async.optim.corrections import NO_CORRECTION, build_correction, check_applicable
+from lightning_async.optim.corrections import NO_CORRECTION, as_correction, build_correction, check_applicable
 from lightning_async.optim.delay import DelayedOptimizer, check_delay
 from lightning_async.pipeline import profiles
 
@@ -61,10 +61,36 @@ def _delay_sources(trainer: Trainer) -> list:
 
 
 def check_corrections(trainer: Trainer) -> None:
-    """Every active correction callback's :meth:`DelayCorrection.check` (before any rank starts)."""
+    """Every active correction callback's :meth:`DelayCorrection.check`, and on a pipeline that the strategy's own
+    ``correction=`` agrees with them (before any rank starts)."""
     for callback in trainer.callbacks:
         if isinstance(callback, DelayCorrection):
             callback.check(trainer)
+    if pipeline_schedule(trainer) is not None:
+        pipeline_correction_setting(trainer, getattr(trainer.strategy, "correction", None))
+
+
+def _effective(setting) -> tuple | None:
+    """What a correction setting amounts to: the correction's class and its plain options, defaults filled in."""
+    correction = as_correction(setting)
+    if correction is None:
+        return None
+    return type(correction), {k: v for k, v in vars(correction).items() if isinstance(v, (bool, int, float, str))}
+
+
+def pipeline_correction_setting(trainer: Trainer, given):
+    """The correction a pipeline run applies: the strategy's ``correction=`` (``given``) or an active correction
+    callback's (the strategy reads it at setup; the callback changes nothing); both set and different is refused."""
+    active = [cb for cb in trainer.callbacks if isinstance(cb, DelayCorrection) and cb.active]
+    if not active:
+        return given
+    setting = active[0].settings
+    if given is not None and _effective(given) != _effective(setting):
+        raise ValueError(
+            f"AsyncPipelineStrategy(correction={given!r}) and a correction callback ({setting!r}) are both set; "
+            "choose one."
+        )
+    return setting
 
 
 def check_delay_profiles(trainer: Trainer, pl_module: LightningModule) -> None:
@@ -272,8 +298,7 @@ class DelayCorrection(Callback):
             return
         self.check(trainer)
         if pipeline_schedule(trainer) is not None:
-            trainer.strategy.use_correction(self.settings)
-            return
+            return  # the pipeline strategy reads it at its setup (pipeline_correction_setting)
         for source in _delay_sources(trainer):
             source.correction_settings = self.settings
 

@@ -21,6 +21,7 @@ import os
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_async import compat
@@ -109,3 +110,12 @@ class DivergenceGuard(Callback):
             with open(os.path.join(log_dir, MARKER), "w") as f:
                 json.dump(self.diverged, f)
         return f" The run is marked {os.path.join(log_dir, MARKER)}."
+
+
+def ensure_divergence_guard(trainer: Trainer) -> None:
+    """A pipeline never trains on silently after a non-finite loss: without a ``DivergenceGuard`` of the user's,
+    one with ``stop=True`` is added (before the checkpoint callbacks, so the diverged step is not saved)."""
+    if any(isinstance(cb, DivergenceGuard) for cb in trainer.callbacks):
+        return
+    first_checkpoint = next((i for i, cb in enumerate(trainer.callbacks) if isinstance(cb, Checkpoint)), len(trainer.callbacks))
+    trainer.callbacks.insert(first_checkpoint, DivergenceGuard(stop=True))

@@ -11,38 +11,36 @@ internals it touches are in :mod:`~lightning_async.compat`.
 from __future__ import annotations
 
 import atexit
-import warnings
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
-from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
-from lightning_async.callbacks.delay import check_corrections
-from lightning_async.callbacks.divergence import DivergenceGuard
-from lightning_async.optim.corrections import Correction, as_correction, check_applicable
+from lightning_async.callbacks.delay import check_corrections, pipeline_correction_setting
+from lightning_async.callbacks.divergence import ensure_divergence_guard
+from lightning_async.optim.corrections import Correction, as_correction, check_applicable, correction_from_arguments
 from lightning_async.pipeline import schedules
 from lightning_async.pipeline.contract import check_pipeline_contract
-from lightning_async.pipeline.fsdp import check_fsdp_applicable, whole
+from lightning_async.pipeline.fsdp import whole
 from lightning_async.pipeline.mesh import PipelineMesh
 from lightning_async.pipeline.metrics import LossExtras
-from lightning_async.pipeline.partition import partition_units
 from lightning_async.pipeline.predict import predict_batch
-from lightning_async.pipeline.program import message_order_mismatches
 from lightning_async.pipeline.rank import RankPlan, build, plan_rank
+from lightning_async.pipeline.run_checks import RunSettings, check_run
 from lightning_async.pipeline.runtime import PipelineRuntime
 from lightning_async import compat
 from lightning_async.strategies.checkpoints import PipelineCheckpoints
 from lightning_async.strategies.memory_log import gather_memory_reports, log_memory_reports
 from lightning_async.strategies.metric_logging import add_metrics_logger, log_values
 from lightning_async.strategies import refusals
+from lightning_async.strategies.sigterm import SigtermStop
+from lightning_async.strategies.split import decide_stage_units, record_split, recorded_split
 
 
 def _checked_timeout(timeout: timedelta | float | None) -> timedelta | None:
@@ -63,19 +61,6 @@ def destroy_groups_at_exit() -> None:
     SIGABRT; pytorch/pytorch#190489). Lightning leaves the group open after ``fit`` (a ``test`` may follow)."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _add_divergence_guard(trainer) -> None:
-    """A pipeline never trains on silently after a non-finite loss: without a ``DivergenceGuard`` of the user's,
-    one with ``stop=True`` is added (before the checkpoint callbacks, so the diverged step is not saved)."""
-    if any(isinstance(cb, DivergenceGuard) for cb in trainer.callbacks):
-        return
-    first_checkpoint = next((i for i, cb in enumerate(trainer.callbacks) if isinstance(cb, Checkpoint)), len(trainer.callbacks))
-    trainer.callbacks.insert(first_checkpoint, DivergenceGuard(stop=True))
-
-
-class StageTerminated(SIGTERMException):
-    """SIGTERM reached this pipeline stage; it stopped at the next batch boundary (exit status 1, with the message)."""
 
 
 class AsyncPipelineStrategy(DDPStrategy):
@@ -142,12 +127,7 @@ class AsyncPipelineStrategy(DDPStrategy):
         self.schedule_spec = schedules.spec(schedule, virtual_stages)
         timeout = _checked_timeout(timeout)
         super().__init__(process_group_backend=process_group_backend, timeout=timeout, start_method=start_method, **kwargs)
-        if error_feedback is not None:
-            warnings.warn("AsyncPipelineStrategy(error_feedback=...) is deprecated: use "
-                          "correction={'method': 'ef', 'strength': ...}.", DeprecationWarning, stacklevel=2)
-            if correction is not None:
-                raise ValueError("Give AsyncPipelineStrategy either correction= or the deprecated error_feedback=, not both.")
-            correction = {"method": "ef", "strength": float(error_feedback)} if error_feedback else None
+        correction = correction_from_arguments(correction, error_feedback, "AsyncPipelineStrategy")
         check_applicable(as_correction(correction), schedule=self.schedule_spec)  # a bad name or schedule: now
         self.correction = correction
         self.schedule = self.schedule_spec.name
@@ -164,6 +144,7 @@ class AsyncPipelineStrategy(DDPStrategy):
         self.runtime: PipelineRuntime | None = None
         self.stage_units: list[list[str]] = []
         self.checkpoints = PipelineCheckpoints(self)
+        self.sigterm = SigtermStop(self.describe_rank)  # (a bound method: the strategy is pickled under spawn)
 
     # ---- mesh ---------------------------------------------------------------------------------
     @property
@@ -195,6 +176,10 @@ class AsyncPipelineStrategy(DDPStrategy):
     def data_parallel_rank(self) -> int:
         return self.mesh.replica_of(self.global_rank)
 
+    def describe_rank(self) -> str:
+        """This rank in messages: ``pipeline stage S (global rank R)``."""
+        return f"pipeline stage {self.stage} (global rank {self.global_rank})"
+
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -211,50 +196,13 @@ class AsyncPipelineStrategy(DDPStrategy):
         return True  # micro-batches are the accumulation
 
     def validate_mesh(self) -> None:
-        """Every check that needs no communication; raised identically on every rank."""
-        pp = self.pipeline_parallel_size  # (raises if the sizes do not tile the world)
-        if self.shard_optimizer and self.data_parallel_size < 2:
-            raise ValueError(
-                f"shard_optimizer=True shards the optimizer state over data-parallel replicas, but this run has one "
-                f"replica ({self.world} processes = {pp} stages x 1). Use processes = stages x replicas with "
-                "data_parallel_size > 1 (e.g. devices=4, pipeline_parallel_size=2), or set shard_optimizer=False."
-            )
-        spec = self.schedule_spec
-        spec.validate(pp, self.n_microbatches)
-        if self.fsdp:
-            check_fsdp_applicable(spec, self.data_parallel_size, self.shard_optimizer, self.activation_checkpointing)
-        backend = self._process_group_backend
-        if (backend == "nccl" or self.root_device.type == "cuda") and pp > 1:
-            lists = [spec.run_actions(r, pp, self.n_microbatches, 1) for r in range(pp)]
-            if message_order_mismatches(spec, lists, per_channel=False):
-                raise ValueError(
-                    f"Schedule {spec.name!r} sends messages between two stages in another order than the receiver "
-                    "posts them, which NCCL (no tags) cannot match. Use schedule='zbh1' or 'interleaved' on GPUs, or "
-                    "run it on CPUs (gloo)."
-                )
-        if backend == "nccl" and self.root_device.type != "cuda":
-            raise ValueError(
-                "process_group_backend='nccl' needs CUDA tensors, but this run is on the CPU. "
-                "Use accelerator='gpu', or process_group_backend='gloo' on CPUs."
-            )
-        if backend == "gloo" and self.root_device.type == "cuda":
-            raise ValueError(
-                "process_group_backend='gloo' cannot send CUDA tensors between pipeline stages. Leave "
-                "process_group_backend unset (NCCL on GPUs), or use accelerator='cpu' with gloo."
-            )
-        module = self.lightning_module
-        if module is not None:
-            check_pipeline_contract(module)
-            if self.partition != "time":  # 'time' measures the units on their device: checked in setup
-                units = list(module.pipeline_units())
-                pieces = spec.virtual_stages(pp)
-                if spec.chunks > 1 and len(units) < pieces:
-                    raise ValueError(
-                        f"Cannot split {len(units)} pipeline units into {pieces} pieces ({pp} stages x {spec.chunks} "
-                        f"chunks per stage for schedule {spec.name!r}): each piece needs a unit. Use fewer stages, a "
-                        "schedule with one chunk per stage ('zbh1', '1f1b'), or a model with more blocks."
-                    )
-                partition_units(units, pieces, self.partition)
+        """Every check of the run's settings that needs no communication (:func:`~lightning_async.pipeline.run_checks.check_run`);
+        raised identically on every rank."""
+        check_run(RunSettings(
+            self.mesh, self.schedule_spec, self.n_microbatches, backend=self._process_group_backend,
+            device_type=self.root_device.type, shard_optimizer=self.shard_optimizer, fsdp=self.fsdp,
+            activation_checkpointing=self.activation_checkpointing, partition=self.partition,
+        ), self.lightning_module)
 
     def validate_launch(self, trainer) -> None:
         """What the launching process does before other ranks start: check the mesh and the run's corrections,
@@ -309,14 +257,15 @@ class AsyncPipelineStrategy(DDPStrategy):
             refusals.refuse_optimizers(module, refusals.count_optimizers(module))  # it needed the trainer: now, unpruned
         self.accelerator.setup(trainer)
         add_metrics_logger(trainer, self)
-        self._stop_on_sigterm(trainer)
+        self.sigterm.install(trainer, self._launcher)
         self.checkpoints.recover_at_setup(trainer)
         self._refuse_checkpoints_under_fsdp(trainer)
         if self.data_parallel_size == 1:  # every stage reads the batches a single-device run would, in its order
             compat.keep_training_sampler(trainer)
         units = list(module.pipeline_units())
-        before = getattr(module, "_lightning_async_split", None)
-        self.stage_units = self._stage_units(module, units, before)
+        before = recorded_split(module)
+        pieces = self.schedule_spec.virtual_stages(self.pipeline_parallel_size)
+        self.stage_units = decide_stage_units(module, units, pieces, self.partition, self.broadcast)
         rank_zero_info(
             f"async_pipe: schedule={self.schedule}, stages={self.pipeline_parallel_size}, replicas={self.data_parallel_size}, "
             f"micro-batches={self.n_microbatches}, chunks per stage={self.schedule_spec.chunks}; units: {self.stage_units}"
@@ -325,7 +274,7 @@ class AsyncPipelineStrategy(DDPStrategy):
         plan = plan_rank(
             units, self.schedule_spec, self.n_microbatches, rank=self.global_rank, world_size=self.world,
             pipeline_parallel_size=self.pipeline_parallel_size, stage_units=self.stage_units,
-            tied=None if before is None else before["tied"],
+            tied=None if before is None else before.tied,
         )
         optimizer = self._prepare_rank(trainer, module, units, plan, first_setup=before is None)
         built = build(plan, optimizer, module.pipeline_split_batch, self.loss_extras, timeout=self._timeout,
@@ -340,33 +289,15 @@ class AsyncPipelineStrategy(DDPStrategy):
                 "stay sharded): pass checkpoint_format='dcp', or enable_checkpointing=False."
             )
 
-    def _stage_units(self, module, units, before: dict | None) -> list[list[str]]:
-        """The units of every piece: the split of an earlier setup of this module, or a new one (rank 0 decides)."""
-        pieces = self.schedule_spec.virtual_stages(self.pipeline_parallel_size)
-        if before is not None:  # validate/test/fit again on a module this strategy already split
-            if len(before["stage_units"]) != pieces:
-                raise ValueError(
-                    f"This module was already split into {len(before['stage_units'])} pipeline pieces; it cannot "
-                    f"be re-split into {pieces}. Build a fresh module (or load the consolidated checkpoint)."
-                )
-            return before["stage_units"]
-        example = getattr(module, "example_input_array", None)
-        if self.partition == "time" and example is None:
-            raise ValueError("partition='time' measures each unit on module.example_input_array: set it (a batch of inputs).")
-        stage_units = partition_units(
-            units, pieces, self.partition, example_input=example, context_fn=getattr(module, "pipeline_context", None),
-        )
-        return self.broadcast(stage_units)  # measured times differ per rank: rank 0 decides
-
     def _prepare_rank(self, trainer, module, units, plan: RankPlan, first_setup: bool):
         """Lightning's part before the rank is built: prune the module to the plan, move it, set up the optimizer."""
         if first_setup:
             plan.prune(module, units)
-            module._lightning_async_split = {"stage_units": plan.stage_units, "tied": plan.tied}
+            record_split(module, plan.stage_units, plan.tied)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
-            _add_divergence_guard(trainer)
+            ensure_divergence_guard(trainer)
             self.setup_optimizers(trainer)
             if len(self.optimizers) != 1:
                 raise ValueError("The pipeline strategy supports exactly one optimizer per stage (use the zoo's composite optimizers).")
@@ -389,60 +320,17 @@ class AsyncPipelineStrategy(DDPStrategy):
     def _runtime_options(self, trainer, module) -> dict:
         clip = trainer.gradient_clip_val if trainer.state.fn == TrainerFn.FITTING else None
         return dict(
-            gradient_clip_val=clip, correction=self.make_correction(), autocast=self.precision_plugin.forward_context,
+            gradient_clip_val=clip, correction=self.make_correction(trainer), autocast=self.precision_plugin.forward_context,
             device=self.root_device, context_fn=getattr(module, "pipeline_context", None),
             activation_checkpointing=self.activation_checkpointing,
             shard_optimizer=self.shard_optimizer and trainer.state.fn == TrainerFn.FITTING,
         )
 
-    def use_correction(self, setting) -> None:
-        """Set the run's correction (what the ``DelayCorrection`` callbacks do); refused when the constructor set
-        another one."""
-        if self.correction is not None and self.correction != setting:
-            raise ValueError(
-                f"AsyncPipelineStrategy(correction={self.correction!r}) and a correction callback ({setting!r}) are both "
-                "set; choose one."
-            )
-        check_applicable(as_correction(setting), schedule=self.schedule_spec)
-        self.correction = setting
-
-    def make_correction(self) -> Correction | None:
-        """A fresh correction object for this rank's runtime (its buffers are per stage)."""
-        return as_correction(self.correction)
-
-    def _stop_on_sigterm(self, trainer) -> None:
-        """SIGTERM to any rank stops the whole pipeline within seconds, with exit status 1.
-
-        Lightning 2.6 broadcasts a SIGTERM flag from rank 0 before every training batch, and from its signal
-        handler. Under a pipeline both hang: a world collective per step would hold the stages in lockstep (and
-        deadlock against the 2BW stream, where the stages are in different batches at the same moment), and a
-        handler on a rank other than 0 would wait for a broadcast rank 0 never makes. So the signalled rank
-        stops by itself at its next batch boundary, training or evaluation (after a checkpoint save in progress,
-        which stays whole), or at the end of a validation, test or the final drain, and the ranks it started get
-        the signal too; the other stages raise ``PeerFailure`` once it has gone.
-        """
-        self._sigterm_received = False
-
-        def on_sigterm(signum, frame) -> None:
-            if not self._sigterm_received:
-                compat.kill_started(self._launcher, signum)
-            self._sigterm_received = True
-
-        compat.install_sigterm_hooks(trainer, on_sigterm, lambda: self._stop_if_terminated(f"at step {trainer.global_step}"))
-
-    def _stop_if_terminated(self, where: str) -> None:
-        """Raise :class:`StageTerminated` if this rank received SIGTERM (``where``: "at step N", ...)."""
-        if getattr(self, "_sigterm_received", False):
-            raise StageTerminated(
-                f"SIGTERM: pipeline stage {self.stage} (global rank {self.global_rank}) stopped {where}. "
-                "The other stages stop when they notice (PeerFailure, within timeout)."
-            )
-
-    def _stop_if_terminated_in_evaluation(self, batch_idx: int | None = None) -> None:
-        trainer = self.lightning_module.trainer
-        what = trainer.state.stage.value if trainer.state.stage is not None else "evaluation"
-        at = f"at {what} batch {batch_idx}" if batch_idx is not None else f"at the end of {what}"
-        self._stop_if_terminated(f"{at} (step {trainer.global_step})")
+    def make_correction(self, trainer=None) -> Correction | None:
+        """A fresh correction object for this rank's runtime (its buffers are per stage): the ``correction=`` given
+        here, or an active correction callback's of ``trainer``."""
+        setting = self.correction if trainer is None else pipeline_correction_setting(trainer, self.correction)
+        return as_correction(setting)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -490,7 +378,7 @@ class AsyncPipelineStrategy(DDPStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any):
-        self._stop_if_terminated_in_evaluation(args[1] if len(args) > 1 else None)
+        self.sigterm.stop_if_received_in_evaluation(self.lightning_module.trainer, args[1] if len(args) > 1 else None)
         loss = self.runtime.eval_batch(args[0])
         self._log_loss("val", loss, args[0])
         log_values(self.lightning_module, "val", *self.loss_extras.end_eval_batch("val"))
@@ -498,7 +386,7 @@ class AsyncPipelineStrategy(DDPStrategy):
 
     @override
     def test_step(self, *args: Any, **kwargs: Any):
-        self._stop_if_terminated_in_evaluation(args[1] if len(args) > 1 else None)
+        self.sigterm.stop_if_received_in_evaluation(self.lightning_module.trainer, args[1] if len(args) > 1 else None)
         loss = self.runtime.eval_batch(args[0])
         self._log_loss("test", loss, args[0])
         log_values(self.lightning_module, "test", *self.loss_extras.end_eval_batch("test"))
@@ -507,12 +395,12 @@ class AsyncPipelineStrategy(DDPStrategy):
     @override
     def on_validation_end(self) -> None:
         super().on_validation_end()
-        self._stop_if_terminated_in_evaluation()
+        self.sigterm.stop_if_received_in_evaluation(self.lightning_module.trainer)
 
     @override
     def on_test_end(self) -> None:
         super().on_test_end()
-        self._stop_if_terminated_in_evaluation()
+        self.sigterm.stop_if_received_in_evaluation(self.lightning_module.trainer)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any):
@@ -530,7 +418,7 @@ class AsyncPipelineStrategy(DDPStrategy):
         if self.runtime is not None:
             self.runtime.drain()
             self.log_memory()
-        self._stop_if_terminated(f"after the final drain (step {self.lightning_module.trainer.global_step})")
+        self.sigterm.stop_if_received(f"after the final drain (step {self.lightning_module.trainer.global_step})")
 
     def log_memory(self) -> list[dict]:
         """Gather every rank's :meth:`PipelineRuntime.memory_report`; log it per stage (MiB) on rank 0."""
