@@ -1,6 +1,7 @@
 """lightning-async: asynchronous (PipeDream-2BW) pipeline-parallel pretraining for PyTorch Lightning.
 
-Importing the package registers the strategies ``"async_pipe"``, ``"sync_pipe"`` and ``"gpipe_pipe"``.
+Importing the package registers the strategies of ``pipeline.schedules.STRATEGY_NAMES``: ``"async_pipe"`` (2BW),
+``"sync_pipe"`` (1F1B), ``"gpipe_pipe"`` (GPipe) and ``"zb_pipe"`` (ZB-V).
 """
 
 __version__ = "0.1.0"

@@ -12,8 +12,9 @@ The *category* of a run is ``sync`` (modes ``sync``/``sync_pipe``), ``async`` (`
 without a correction in effect), ``async+EF`` (the ``ef`` correction) or ``async+<correction>`` for the other
 staleness corrections (``async+nesterov``, ...). A correction of strength 0 is off: such a run is ``async``.
 
-Framework-free on purpose (no torch, no Lightning): the correction names are listed here and checked against
-``lightning_async.optim.corrections.CORRECTIONS`` by the tests.
+Framework-free on purpose (no torch, no Lightning). The correction names and default strengths are registered here
+once: ``lightning_async.optim.corrections`` takes its classes' defaults from them and refuses, at import, a class not
+registered here.
 """
 
 from __future__ import annotations

@@ -334,6 +334,17 @@ SPECS = {
 SCHEDULES = tuple(SPECS)
 #: the synchronous schedule a comparison should beat: no stale gradients, the smallest bubble we run
 BEST_SYNC = "zbv"
+#: the delayed (asynchronous) schedules, and the synchronous ones the planning map sets against them (GPipe is
+#: left out: at equal micro-batches it has 1F1B's bubble and keeps every micro-batch's activations)
+DELAYED_SCHEDULES = tuple(name for name, s in SPECS.items() if s.delayed)
+MAP_SYNC_SCHEDULES = tuple(name for name, s in SPECS.items() if not s.delayed and name != "gpipe")
+#: the names ``Trainer(strategy=...)`` takes for the pipeline strategy: name -> (schedule, description)
+STRATEGY_NAMES = {
+    "async_pipe": ("2bw", "PipeDream-2BW pipeline (asynchronous)"),
+    "sync_pipe": ("1f1b", "1F1B pipeline with a flush per step"),
+    "gpipe_pipe": ("gpipe", "GPipe pipeline with a flush per step"),
+    "zb_pipe": (BEST_SYNC, "ZB-V zero-bubble pipeline (the best synchronous baseline)"),
+}
 
 
 def spec(schedule: "str | ScheduleSpec", virtual_stages: int | None = None) -> ScheduleSpec:
@@ -344,7 +355,7 @@ def spec(schedule: "str | ScheduleSpec", virtual_stages: int | None = None) -> S
     if schedule not in SPECS:
         raise ValueError(
             f"Unknown pipeline schedule {schedule!r}. Choose one of: {', '.join(SCHEDULES)} "
-            "(or strategy='async_pipe', 'sync_pipe', 'gpipe_pipe', 'zb_pipe')."
+            f"(or strategy={', '.join(repr(n) for n in STRATEGY_NAMES)})."
         )
     return SPECS[schedule].with_chunks(virtual_stages)
 

@@ -472,9 +472,5 @@ class AsyncPipelineStrategy(DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry) -> None:
-        strategy_registry.register("async_pipe", cls, description="PipeDream-2BW pipeline (asynchronous)", schedule="2bw")
-        strategy_registry.register("sync_pipe", cls, description="1F1B pipeline with a flush per step", schedule="1f1b")
-        strategy_registry.register("gpipe_pipe", cls, description="GPipe pipeline with a flush per step", schedule="gpipe")
-        strategy_registry.register(
-            "zb_pipe", cls, description="ZB-V zero-bubble pipeline (the best synchronous baseline)", schedule=schedules.BEST_SYNC,
-        )
+        for name, (schedule, description) in schedules.STRATEGY_NAMES.items():
+            strategy_registry.register(name, cls, description=description, schedule=schedule)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from lightning_async.pipeline.fsdp import check_fsdp_applicable
 from lightning_async.pipeline.memory import schedule_memory
+from lightning_async.pipeline import schedules
 from lightning_async.pipeline.schedules import spec
 from lightning_async.pipeline.timing import simulate
 
@@ -20,8 +21,8 @@ __all__ = ["ASYNC", "COMPARED", "compare", "compare_row", "fmt_bytes", "fmt_time
            "map_footnote", "microbatches_per_pipeline"]
 
 #: the schedules of the map: the synchronous ones we run, and the asynchronous ones
-COMPARED = ("1f1b", "zbh1", "interleaved", "zbv")
-ASYNC = ("2bw", "2bw-split")
+COMPARED = schedules.MAP_SYNC_SCHEDULES  # (from the schedule registry)
+ASYNC = schedules.DELAYED_SCHEDULES
 
 
 def compare_row(p: int, m: int, costs: dict, comm_s: float, update_s: float, num_batches: int,

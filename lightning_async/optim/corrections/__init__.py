@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import warnings
 
+from lightning_async.identity import KNOWN_CORRECTIONS, NO_CORRECTION
 from lightning_async.optim.corrections.base import FORWARD, GRADIENT, UPDATE, Correction, ParameterBuffers
 from lightning_async.optim.corrections.delay_compensation import DelayCompensation
 from lightning_async.optim.corrections.error_feedback import (
@@ -19,11 +20,14 @@ from lightning_async.optim.corrections.error_feedback import (
 )
 from lightning_async.optim.corrections.weight_prediction import WeightPrediction
 
-#: method name -> class (the names of ``recipes/corrections/*.yaml`` and of ``correction.method``)
+#: method name -> class (the names of ``recipes/corrections/*.yaml`` and of ``correction.method``). The names and
+#: their default strengths are registered once, framework-free, in :data:`lightning_async.identity.DEFAULT_STRENGTHS`
+#: (what run directories record and the tools read); each class takes its default from there.
 CORRECTIONS: dict[str, type[Correction]] = {
     cls.method: cls for cls in (ErrorFeedbackCorrection, AdaptiveErrorFeedback, NesterovLookahead, DelayCompensation, WeightPrediction)
 }
-NO_CORRECTION = "none"
+if tuple(CORRECTIONS) != KNOWN_CORRECTIONS:  # (a class added here must be registered there, in the same order)
+    raise ImportError(f"corrections {tuple(CORRECTIONS)} do not match identity.KNOWN_CORRECTIONS {KNOWN_CORRECTIONS}")
 
 
 def build_correction(method: str, strength: float | None = None, **options) -> Correction | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch.optim import Optimizer
 
+from lightning_async.identity import DEFAULT_STRENGTHS
 from lightning_async.optim.corrections.base import GRADIENT, Correction, ParameterBuffers
 
 
@@ -33,7 +34,7 @@ class DelayCompensation(Correction):
     level = GRADIENT
     needs_stale_weights = True
 
-    def __init__(self, strength: float = 2.0, adaptive: bool = True, mean_square_decay: float = 0.95,
+    def __init__(self, strength: float = DEFAULT_STRENGTHS["dc-asgd"], adaptive: bool = True, mean_square_decay: float = 0.95,
                  eps: float = 1e-7) -> None:
         super().__init__(strength)
         if not 0.0 <= mean_square_decay < 1.0:

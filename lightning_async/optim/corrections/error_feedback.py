@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch.optim import Optimizer
 
+from lightning_async.identity import DEFAULT_STRENGTHS
 from lightning_async.optim.corrections import base
 from lightning_async.optim.corrections.base import Correction, ParameterBuffers
 
@@ -73,7 +74,7 @@ class ErrorFeedbackCorrection(UpdateCorrection):
 
     method = "ef"
 
-    def __init__(self, strength: float = 1.0, extrapolate_weight_decay: bool = True, k_step: bool = True) -> None:
+    def __init__(self, strength: float = DEFAULT_STRENGTHS["ef"], extrapolate_weight_decay: bool = True, k_step: bool = True) -> None:
         super().__init__(strength, extrapolate_weight_decay)
         self.k_step = bool(k_step)
         self.previous_update = ParameterBuffers()  # k = 1: u_(t-1)
@@ -144,7 +145,7 @@ class AdaptiveErrorFeedback(UpdateCorrection):
 
     method = "adaptive-ef"
 
-    def __init__(self, strength: float = 1.0, decay: float = 0.95, extrapolate_weight_decay: bool = True) -> None:
+    def __init__(self, strength: float = DEFAULT_STRENGTHS["adaptive-ef"], decay: float = 0.95, extrapolate_weight_decay: bool = True) -> None:
         super().__init__(strength, extrapolate_weight_decay)
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"AdaptiveErrorFeedback decay must be in [0, 1), got {decay}.")
@@ -206,7 +207,7 @@ class NesterovLookahead(UpdateCorrection):
 
     method = "nesterov"
 
-    def __init__(self, strength: float = 1.0, momentum: float = 0.9, extrapolate_weight_decay: bool = True) -> None:
+    def __init__(self, strength: float = DEFAULT_STRENGTHS["nesterov"], momentum: float = 0.9, extrapolate_weight_decay: bool = True) -> None:
         super().__init__(strength, extrapolate_weight_decay)
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"NesterovLookahead momentum must be in [0, 1), got {momentum}.")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from lightning_async.identity import DEFAULT_STRENGTHS
 from lightning_async.optim.corrections.base import FORWARD, Correction, ParameterBuffers
 
 
@@ -24,7 +25,7 @@ class WeightPrediction(Correction):
     method = "weight-prediction"
     level = FORWARD
 
-    def __init__(self, strength: float = 1.0) -> None:
+    def __init__(self, strength: float = DEFAULT_STRENGTHS["weight-prediction"]) -> None:
         super().__init__(strength)
         self.predicted = ParameterBuffers()
 
