@@ -10,7 +10,8 @@ import importlib  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 
-_EXPORTS = {"AsyncPipelineStrategy": "lightning_async.strategies", "DelayedOptimizer": "lightning_async.optim",
+_EXPORTS = {"PipelineStrategy": "lightning_async.strategies", "AsyncPipelineStrategy": "lightning_async.strategies",
+            "DelayedOptimizer": "lightning_async.optim",
             "ErrorFeedbackCorrection": "lightning_async.optim", "build_optimizer": "lightning_async.optim"}
 
 
@@ -29,6 +30,7 @@ def __getattr__(name: str):
 
 if not _console_help_only():
     from lightning_async.optim import DelayedOptimizer, ErrorFeedbackCorrection, build_optimizer  # noqa: F401
-    from lightning_async.strategies import AsyncPipelineStrategy  # noqa: F401  (registers the strategies)
+    from lightning_async.strategies import AsyncPipelineStrategy, PipelineStrategy  # noqa: F401  (registers the strategies)
 
-__all__ = ["AsyncPipelineStrategy", "DelayedOptimizer", "ErrorFeedbackCorrection", "__version__", "build_optimizer"]
+__all__ = ["AsyncPipelineStrategy", "DelayedOptimizer", "ErrorFeedbackCorrection", "PipelineStrategy", "__version__",
+           "build_optimizer"]

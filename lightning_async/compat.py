@@ -11,7 +11,7 @@ Why each one is needed:
 * the distributed sampler: with one pipeline replica every stage must read the same batches as a single-device
   run (Lightning would shard a training loader across the pipeline's ranks);
 * the SIGTERM hooks: Lightning 2.6 broadcasts a SIGTERM flag from rank 0 before every training batch and from its
-  signal handler; under a pipeline both hang (see ``AsyncPipelineStrategy``), so the signalled rank stops alone;
+  signal handler; under a pipeline both hang (see ``PipelineStrategy``), so the signalled rank stops alone;
 * the launchers: the configuration must be checked before other ranks start, and the spawn launcher must hand the
   whole model's state dict (not rank 0's stage) and ``predict``'s results back to the main process;
 * torch's LRScheduler marker: the batch's update is applied later (under 2BW) with the lr recorded now, so the

@@ -32,7 +32,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_async import compat
 from lightning_async.exit_codes import EXIT_BAD_INPUT, EXIT_SIGTERM
-from lightning_async.strategies import AsyncPipelineStrategy  # (importing registers async_pipe / sync_pipe)
+from lightning_async.strategies import PipelineStrategy  # (importing registers async_pipe / sync_pipe)
 from lightning_async.callbacks import (
     DelayCorrection, DelaySimulation, DivergenceGuard, ErrorFeedback, RunTelemetry, StepProgress,
 )
@@ -208,7 +208,7 @@ class AsyncCLI(LightningCLI):
 
     def after_instantiate_classes(self) -> None:
         check_sequence_length(self.model, self.datamodule)
-        pipeline = isinstance(self.trainer.strategy, AsyncPipelineStrategy)
+        pipeline = isinstance(self.trainer.strategy, PipelineStrategy)
         try:  # before any data is prepared or any rank starts
             if pipeline:
                 self.trainer.strategy.validate_mesh()

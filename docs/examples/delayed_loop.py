@@ -16,7 +16,7 @@ import torch
 from lightning_async.models import SmolLM2, model_config
 from lightning_async.models.objective import next_token_loss, split_next_token
 from lightning_async.optim import CORRECTIONS, DelayedOptimizer, build_correction, build_optimizer
-from lightning_async.optim.schedules import warmup_cosine
+from lightning_async.optim.lr_schedules import warmup_cosine
 
 
 def batches(steps: int, batch_size: int = 8, seq_len: int = 32, vocab: int = 64, seed: int = 0):

@@ -22,7 +22,7 @@ from lightning_async.pipeline import profiles
 
 
 def pipeline_schedule(trainer: Trainer):
-    """The schedule spec of a pipeline strategy (``AsyncPipelineStrategy.schedule_spec``), ``None`` for any other
+    """The schedule spec of a pipeline strategy (``PipelineStrategy.schedule_spec``), ``None`` for any other
     strategy. (Asked of the strategy, not imported from ``strategies``: the strategy imports the callbacks.)"""
     return getattr(trainer.strategy, "schedule_spec", None)
 
@@ -87,7 +87,7 @@ def pipeline_correction_setting(trainer: Trainer, given):
     setting = active[0].settings
     if given is not None and _effective(given) != _effective(setting):
         raise ValueError(
-            f"AsyncPipelineStrategy(correction={given!r}) and a correction callback ({setting!r}) are both set; "
+            f"PipelineStrategy(correction={given!r}) and a correction callback ({setting!r}) are both set; "
             "choose one."
         )
     return setting

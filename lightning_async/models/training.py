@@ -16,7 +16,7 @@ from torchmetrics import MeanMetric
 
 from lightning_async.models.objective import next_token_loss, split_next_token
 from lightning_async.optim import build_optimizer, check_optimizer_settings
-from lightning_async.optim.schedules import warmup_cosine
+from lightning_async.optim.lr_schedules import warmup_cosine
 
 # ``val/ppl`` and ``test/ppl`` come from the loss metric's compute(), which reduces across ranks itself: Lightning's
 # advice to log them with sync_dist=True (given on every distributed run) does not apply

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-#: ``StageModule.forward``'s default: the module defines no ``pipeline_context`` (nothing is passed)
+#: ``PieceModule.forward``'s default: the module defines no ``pipeline_context`` (nothing is passed)
 NO_CONTEXT = object()
 
 _ALLOWED = "a Tensor, a tuple/list of tensors or a dict str -> tensor (nesting allowed)"

@@ -89,7 +89,7 @@ def to_one_device(directory: str | os.PathLike, out: str | os.PathLike, module: 
     path = layout.resolve(directory)
     if layout.read_meta(path).get("format") != "dcp":
         raise ValueError(f"{path} is a pipeline checkpoint of stage files, not of checkpoint_format='dcp': resume it once "
-                         "with AsyncPipelineStrategy(checkpoint_format='dcp') on its own layout and save, then convert that.")
+                         "with PipelineStrategy(checkpoint_format='dcp') on its own layout and save, then convert that.")
     keys = distributed.saved_keys(path)
     _check_shapes(path, {k[len(distributed.MODEL):]: m.size for k, m in keys.items() if k.startswith(distributed.MODEL)
                          and isinstance(m, distributed.dcp.TensorStorageMetadata)}, module)
@@ -137,7 +137,7 @@ def _delay_state(path: str, saved: dict, count: int) -> dict:
 def to_pipeline(ckpt: str | os.PathLike, out: str | os.PathLike, module: torch.nn.Module,
                 optimizer: torch.optim.Optimizer | None = None) -> dict:
     """Write the one-device Lightning checkpoint ``ckpt`` of a ``DelaySimulation(delay=1)`` run of ``module`` as a
-    pipeline DCP checkpoint directory ``out`` (``AsyncPipelineStrategy(schedule="2bw", checkpoint_format="dcp")``
+    pipeline DCP checkpoint directory ``out`` (``PipelineStrategy(schedule="2bw", checkpoint_format="dcp")``
     resumes it on any stage count, split and replica count); return ``meta.json``'s content."""
     path = os.fspath(ckpt)
     if os.path.isdir(path):

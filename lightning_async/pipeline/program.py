@@ -6,7 +6,7 @@ update starts and is applied follow from the placement of the pieces; :func:`low
 and everything that needs them reads the resulting :class:`Step` list: the runtime dispatches on it
 (:meth:`PipelineRuntime._run_program <lightning_async.pipeline.runtime.PipelineRuntime>`), the NCCL message-order
 check reads its sends and receives (:func:`messages`), and the timing model its inputs
-(:func:`~lightning_async.pipeline.timing.simulate_lists`). So the three cannot disagree with what runs.
+(:func:`~lightning_async.pipeline.timing.time_action_lists`). So the three cannot disagree with what runs.
 
 Step kinds:
 

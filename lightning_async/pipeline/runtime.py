@@ -40,7 +40,7 @@ from lightning_async.pipeline.p2p import PeerFailure, StageTransport
 from lightning_async.pipeline.program import APPLY_UPDATE, BEGIN_UPDATE, START_REDUCTIONS, Step, lower
 from lightning_async.pipeline.sharding import OptimizerShards
 from lightning_async.pipeline.schedules import FORWARD, INPUT_GRAD, WEIGHT_GRAD, ScheduleSpec
-from lightning_async.pipeline.stage import StageModule
+from lightning_async.pipeline.stage import PieceModule
 from lightning_async.pipeline.weight_grad import DeferredWeightGrads, split_linear_backward
 
 
@@ -93,7 +93,7 @@ class PipelineRuntime:
     """Executes ``schedule`` for one rank.
 
     Args:
-        stage_module: this rank's units: a :class:`StageModule`, or an ``nn.ModuleList`` of them, one per chunk
+        stage_module: this rank's units: a :class:`PieceModule`, or an ``nn.ModuleList`` of them, one per chunk
             (in chunk order) for schedules with several chunks per rank (:class:`~.stage.RankStage` ``.module``).
         optimizer: optimizer over the rank's parameters (the modules' ``nn.Parameter`` objects).
         schedule: a :class:`~lightning_async.pipeline.schedules.ScheduleSpec` (or a schedule's name).
@@ -119,7 +119,7 @@ class PipelineRuntime:
 
     def __init__(
         self,
-        stage_module: StageModule | nn.ModuleList,
+        stage_module: PieceModule | nn.ModuleList,
         optimizer: torch.optim.Optimizer,
         schedule: "ScheduleSpec | str",
         n_microbatches: int,

@@ -1,4 +1,4 @@
-"""One rank's stage: the units it runs (:class:`StageModule`, one per chunk) and how a model is cut down to them.
+"""One rank's stage: the units it runs (:class:`PieceModule`, one per chunk) and how a model is cut down to them.
 
 :func:`build_rank_stage` is the one way a rank's stage is built (``pipeline.rank.build_rank`` calls it for the
 strategy, the test harness and the benchmarks): the units of each of its pieces (one, or several for the
@@ -23,7 +23,7 @@ from lightning_async.pipeline import schedules
 from lightning_async.pipeline.partition import partition_units
 
 
-class StageModule(nn.Module):
+class PieceModule(nn.Module):
     """The units of one stage, applied in order (see :mod:`~lightning_async.pipeline.boundary`).
 
     ``forward(value, context, recompute)``: each unit gets the previous unit's value spread as arguments,
@@ -61,12 +61,12 @@ def _call_with(unit: nn.Module, weights: dict[str, torch.Tensor], value, context
 
 def build_stage(
     units: Sequence[tuple[str, nn.Module]], stage_units: Sequence[Sequence[str]], stage: int, schedule=None
-) -> tuple[StageModule | nn.ModuleList, list[str]]:
+) -> tuple[PieceModule | nn.ModuleList, list[str]]:
     """Rank ``stage``'s module and the names (in it) of the weights it shares with another rank (tied embeddings).
 
     ``stage_units`` lists the units of every piece (virtual stage) in model order; ``schedule`` (a spec or a name,
     default one piece per rank) says which rank holds which pieces. With one piece per rank the module is its
-    :class:`StageModule`; with several, an ``nn.ModuleList`` of one per chunk, in chunk order. Only the first and
+    :class:`PieceModule`; with several, an ``nn.ModuleList`` of one per chunk, in chunk order. Only the first and
     the last piece may share weights; when one rank holds both (ZB-V) the tie is local and not listed.
     """
     spec = schedules.spec(schedule or "1f1b")
@@ -90,7 +90,7 @@ def build_stage(
                 f"(`partition`) or untie it."
             )
     chunks = [
-        StageModule([(n, u) for n, u in units if piece_of[n] == spec.piece(stage, c, num_stages)]) for c in range(spec.chunks)
+        PieceModule([(n, u) for n, u in units if piece_of[n] == spec.piece(stage, c, num_stages)]) for c in range(spec.chunks)
     ]
     module = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
     # both ends list their tied weights in one order (the reductions pair them by position)
@@ -103,8 +103,8 @@ def build_stage(
 class RankStage:
     """What one rank holds of a model split into stages."""
 
-    #: the rank's units: a :class:`StageModule`, or an ``nn.ModuleList`` of one per chunk (several pieces per rank)
-    module: StageModule | nn.ModuleList
+    #: the rank's units: a :class:`PieceModule`, or an ``nn.ModuleList`` of one per chunk (several pieces per rank)
+    module: PieceModule | nn.ModuleList
     #: names (in ``module``) of weights shared with another rank, in the order both ends use
     tied: list[str]
     #: the rank's parameters with global names (``unit.param``), each once (tied copies included once)
@@ -113,7 +113,7 @@ class RankStage:
     stage_units: list[list[str]]
 
     @property
-    def chunks(self) -> list[StageModule]:
+    def chunks(self) -> list[PieceModule]:
         return list(self.module) if isinstance(self.module, nn.ModuleList) else [self.module]
 
 
@@ -166,3 +166,7 @@ def prune_to_stage(module: nn.Module, units: Sequence[tuple[str, nn.Module]], st
     for name, _ in units:
         if rank_of[name] != stage:
             module.set_submodule(name, NotOnThisStage(name, rank_of[name]))
+
+
+#: the old name (deprecated, kept for one release): a piece's units, not a rank's stage
+StageModule = PieceModule

@@ -13,7 +13,7 @@ interleaved and V schedules):
 * ``U`` likewise, and takes ``update_s`` (default 0).
 
 Every action starts as soon as its rank is free and its dependency has arrived. Because the order on each rank
-is fixed, the start times are the longest paths through this dependency graph; :func:`simulate_lists` computes
+is fixed, the start times are the longest paths through this dependency graph; :func:`time_action_lists` computes
 them with a work list that wakes a rank when the action it waits for finishes (an event-driven run in dependency
 order rather than in time order, with identical results). A rank whose next action can never become ready is
 reported as a deadlock.
@@ -43,8 +43,12 @@ from lightning_async.pipeline.timeline import render_timeline
 
 __all__ = [
     "DeadlockError",
-    "SimResult",
+    "ScheduleTiming",
     "predict",
+    "time_action_lists",
+    "time_schedule",
+    # the old names, deprecated (see the end of the module)
+    "SimResult",
     "simulate",
     "simulate_lists",
     # re-exported (moved), see above
@@ -61,7 +65,7 @@ class DeadlockError(RuntimeError):
 
 
 @dataclass
-class SimResult:
+class ScheduleTiming:
     """Outcome of one simulation. Times are in the unit of the inputs (seconds in :func:`predict`)."""
 
     schedule: str
@@ -117,7 +121,7 @@ def _durations(kind: str, tf: float, tb: float, tw: float) -> float:
     return tw  # WEIGHT_GRAD
 
 
-def simulate_lists(
+def time_action_lists(
     actions: Sequence[Sequence[Action]],
     forward: float | Sequence[float],
     backward: float | Sequence[float],
@@ -207,7 +211,7 @@ def _busy_in(intervals: list[tuple[Action, float, float]], lo: float, hi: float)
     return sum(max(0.0, min(e, hi) - max(s, lo)) for _, s, e in intervals)
 
 
-def simulate(
+def time_schedule(
     schedule: "str | ScheduleSpec",
     num_stages: int,
     n_microbatches: int,
@@ -218,7 +222,7 @@ def simulate(
     update: float | Sequence[float] = 0.0,
     warmup_batches: int | None = None,
     weight: float | Sequence[float] | None = None,
-) -> SimResult:
+) -> ScheduleTiming:
     """Simulate ``num_batches`` training calls plus the final drain of ``schedule``.
 
     ``forward``/``backward``/``weight`` (the weight-gradient part of the backward, default half of it): a rank's
@@ -238,7 +242,7 @@ def simulate(
     lists = [s_.run_actions(r, p, m, num_batches) for r in range(p)]
     tf, tb = per_piece(forward, s_, p, "forward"), per_piece(backward, s_, p, "backward")
     tw = None if weight is None else per_piece(weight, s_, p, "weight")
-    trace = simulate_lists(lists, tf, tb, comm, update, tw, s_)
+    trace = time_action_lists(lists, tf, tb, comm, update, tw, s_)
     tu = per_rank(update, p, "update")
 
     total = max((t[-1][2] for t in trace if t), default=0.0)
@@ -270,7 +274,7 @@ def simulate(
     bubble_total = 1.0 - sum(all_busy) / (p * total) if total > 0 else 0.0
     peak_inflight, versions = inflight_and_versions(s_, [[a for a, _, _ in t] for t in trace])
 
-    return SimResult(
+    return ScheduleTiming(
         schedule=s_.name,
         num_stages=p,
         n_microbatches=m,
@@ -312,7 +316,7 @@ def predict(
     ``peak_inflight`` and ``weight_versions`` per stage, and ``batch_end_s`` (when each batch's last update
     finished).
     """
-    r = simulate(schedule, p, m, num_batches, forward_s, backward_s, comm_s, update_s, weight=weight_s)
+    r = time_schedule(schedule, p, m, num_batches, forward_s, backward_s, comm_s, update_s, weight=weight_s)
     return {
         "schedule": r.schedule,
         "p": p,
@@ -330,3 +334,7 @@ def predict(
         "weight_versions": r.weight_versions,
         "batch_end_s": r.batch_end,
     }
+
+
+# the old names (deprecated, kept for one release): "simulate" read as the one-device delay simulation
+simulate, simulate_lists, SimResult = time_schedule, time_action_lists, ScheduleTiming

@@ -1,11 +1,11 @@
-"""Lightning strategies; importing this registers ``async_pipe``, ``sync_pipe`` and ``gpipe_pipe``."""
+"""Lightning strategies; importing this registers the names of ``pipeline.schedules.STRATEGY_NAMES``."""
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_async.strategies.async_pipe import AsyncPipelineStrategy
+from lightning_async.strategies.async_pipe import AsyncPipelineStrategy, PipelineStrategy
 from lightning_async.strategies.checkpoints import PipelineAwareCheckpointIO
 
 if "async_pipe" not in StrategyRegistry:
-    AsyncPipelineStrategy.register_strategies(StrategyRegistry)
+    PipelineStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["AsyncPipelineStrategy", "PipelineAwareCheckpointIO"]
+__all__ = ["AsyncPipelineStrategy", "PipelineAwareCheckpointIO", "PipelineStrategy"]  # (AsyncPipelineStrategy: deprecated)

@@ -1,4 +1,7 @@
-"""``AsyncPipelineStrategy``: PipeDream-2BW (and synchronous 1F1B/GPipe) pipelines in Lightning.
+"""``PipelineStrategy``: pipelines in Lightning under every schedule, PipeDream-2BW's and the synchronous ones.
+
+``AsyncPipelineStrategy`` is its old name (deprecated: it also runs every synchronous schedule), kept for one release.
+
 
 Thin glue between Lightning and :class:`~lightning_async.pipeline.runtime.PipelineRuntime`: it cuts the
 LightningModule down to this rank's stage (:mod:`~lightning_async.pipeline.stage`), makes the mesh's process
@@ -63,7 +66,7 @@ def destroy_groups_at_exit() -> None:
         dist.destroy_process_group()
 
 
-class AsyncPipelineStrategy(DDPStrategy):
+class PipelineStrategy(DDPStrategy):
     """One process per pipeline stage; trains with PipeDream-2BW (``schedule="2bw"``) or a synchronous schedule.
 
     Args:
@@ -127,7 +130,7 @@ class AsyncPipelineStrategy(DDPStrategy):
         self.schedule_spec = schedules.spec(schedule, virtual_stages)
         timeout = _checked_timeout(timeout)
         super().__init__(process_group_backend=process_group_backend, timeout=timeout, start_method=start_method, **kwargs)
-        correction = correction_from_arguments(correction, error_feedback, "AsyncPipelineStrategy")
+        correction = correction_from_arguments(correction, error_feedback, "PipelineStrategy")
         check_applicable(as_correction(correction), schedule=self.schedule_spec)  # a bad name or schedule: now
         self.correction = correction
         self.schedule = self.schedule_spec.name
@@ -474,3 +477,7 @@ class AsyncPipelineStrategy(DDPStrategy):
     def register_strategies(cls, strategy_registry) -> None:
         for name, (schedule, description) in schedules.STRATEGY_NAMES.items():
             strategy_registry.register(name, cls, description=description, schedule=schedule)
+
+
+#: the old name (deprecated, kept for one release): the strategy runs every schedule, not only the asynchronous one
+AsyncPipelineStrategy = PipelineStrategy

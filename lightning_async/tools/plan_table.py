@@ -15,7 +15,7 @@ from lightning_async.pipeline.fsdp import check_fsdp_applicable
 from lightning_async.pipeline.memory import schedule_memory
 from lightning_async.pipeline import schedules
 from lightning_async.pipeline.schedules import spec
-from lightning_async.pipeline.timing import simulate
+from lightning_async.pipeline.timing import time_schedule
 
 __all__ = ["ASYNC", "COMPARED", "compare", "compare_row", "fmt_bytes", "fmt_time", "format_compare_table",
            "map_footnote", "microbatches_per_pipeline"]
@@ -45,7 +45,7 @@ def compare_row(p: int, m: int, costs: dict, comm_s: float, update_s: float, num
         except ValueError as err:
             row["schedules"][name] = {"skipped": str(err)}
             continue
-        r = simulate(s_, p, m, num_batches, costs["forward_s"], costs["backward_s"], comm_s, update_s, weight=weight)
+        r = time_schedule(s_, p, m, num_batches, costs["forward_s"], costs["backward_s"], comm_s, update_s, weight=weight)
         entry = {"per_batch_s": r.per_batch_time, "bubble": r.bubble, "peak_inflight": max(r.peak_inflight)}
         if costs.get("param_bytes") is not None:
             mem = schedule_memory(s_, p, m, costs["param_bytes"], costs["optimizer_bytes"], costs["activation_bytes"],
