@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import _bench
+
 SLEEP_WIDTH = 8  # features per sleep-stage activation (a tiny message: latency, not bandwidth)
 
 
@@ -229,4 +231,4 @@ def p2p_probe(reps: int = 15, idle: float = 0.02) -> dict:
             t0 = time.perf_counter()
             work.wait()
             out["wait_preposted"].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in out.items() if v}
+    return _bench.medians({k: v for k, v in out.items() if v})
