@@ -1,4 +1,4 @@
-"""Stage builders and process helpers for ``benchmarks/pipeline_throughput.py``.
+"""Stage builders and gloo probes for ``benchmarks/pipeline_throughput.py`` (its process helpers: ``_bench``).
 
 Two kinds of stages:
 
@@ -16,13 +16,12 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_async.pipeline.local import run_local
+import _bench
 
 SLEEP_WIDTH = 8  # features per sleep-stage activation (a tiny message: latency, not bandwidth)
 
@@ -175,35 +174,6 @@ def ping_pong(shape, dtype=torch.float32, reps: int = 50, group=None) -> float:
     return statistics.median(rtts) / 2
 
 
-# ---------------------------------------------------------------------------------------------- process memory
-def rss_kib(field: str = "VmRSS") -> int | None:
-    """A field of ``/proc/self/status`` in KiB (``VmRSS`` now, ``VmHWM`` the peak); None off Linux."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
-def reset_peak_rss() -> bool:
-    """Reset ``VmHWM`` to the current RSS (Linux >= 4.0, ``/proc/self/clear_refs``); False where it cannot."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-# ---------------------------------------------------------------------------------------------- processes
-def spawn(world: int, fn: Callable, *args, timeout: float = 600.0) -> list:
-    """Run ``fn(*args)`` on ``world`` gloo processes (one thread each); return results by rank."""
-    return run_local(world, fn, *args, timeout=timeout)
-
-
 # ---------------------------------------------------------------------------------------------- p2p probes
 def _stamp() -> torch.Tensor:
     return torch.tensor([time.perf_counter()], dtype=torch.float64)
@@ -261,4 +231,4 @@ def p2p_probe(reps: int = 15, idle: float = 0.02) -> dict:
             t0 = time.perf_counter()
             work.wait()
             out["wait_preposted"].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in out.items() if v}
+    return _bench.medians({k: v for k, v in out.items() if v})

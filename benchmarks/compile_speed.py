@@ -25,25 +25,17 @@ calls and at the end: a graph added after the first call is a recompilation (e.g
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
-import os
-import statistics
 import time
 
 import torch
 
+import _bench
+from _bench import timed
 from lightning_async.lm import CausalLM
 from lightning_async.models import MODEL_CONFIGS, model_config
 from lightning_async.models.objective import next_token_loss, split_next_token
 from lightning_async.optim import DelayedOptimizer, OPTIMIZER_NAMES, build_optimizer
-from lightning_async.pipeline.rank import build as build_rank, plan_rank
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def dynamo_stats() -> dict:
@@ -88,22 +80,14 @@ def make_step(path: str, lm: CausalLM, args, autocast):
     """One training step of ``path``: ``plain`` (sync), ``delayed-ef`` (the one-device simulation of 2BW with
     Error Feedback, as ``DelaySimulation(1)`` + ``ErrorFeedback`` run it) or ``2bw`` (the pipeline runtime)."""
     if path == "2bw":
-        plan = plan_rank(list(lm.pipeline_units()), "2bw", args.microbatches)
         # the model's own names (the stage module's are "units.0.weight"...) decide the zoo's grouping
-        opt = make_optimizer(args.optimizer, lm.model.named_parameters())
-        return build_rank(plan, opt, split_next_token, next_token_loss, autocast=autocast).runtime.train_batch
+        return _bench.build_rank(lm.pipeline_units(), "2bw", args.microbatches, split_next_token, next_token_loss,
+                                 lambda plan: make_optimizer(args.optimizer, lm.model.named_parameters()),
+                                 autocast=autocast).runtime.train_batch
     opt = make_optimizer(args.optimizer, lm.model.named_parameters())
     if path == "delayed-ef":
         opt = DelayedOptimizer(opt, delay=1, error_feedback=1.0, pairing="2bw")
     return lambda batch: plain_step(lm, opt, batch, autocast)
-
-
-def timed(fn, device) -> float:
-    sync(device)
-    t0 = time.perf_counter()
-    fn()
-    sync(device)
-    return time.perf_counter() - t0
 
 
 def compare(name: str, path: str, args, device: torch.device, batches) -> dict:
@@ -140,24 +124,21 @@ def compare(name: str, path: str, args, device: torch.device, batches) -> dict:
         k += 1
     out["dynamo_after_warmup"] = dynamo_stats()
     samples = {"eager": [], "compiled": []}
-    for r in range(args.reps):
-        order = ("eager", "compiled") if r % 2 == 0 else ("compiled", "eager")
-        for label in order:
-            samples[label].append(timed(lambda: variants[label]["step"](batches[k % len(batches)]), device))
-        k += 1
+    for r, label in _bench.interleaved(samples, args.reps, "alternate"):
+        samples[label].append(timed(lambda: variants[label]["step"](batches[(k + r) % len(batches)]), device))
     out["dynamo_end"] = dynamo_stats()
+    med, low = _bench.medians(samples), _bench.fastest(samples)
     for label in ("eager", "compiled"):
-        med = statistics.median(samples[label])
-        out[label] = {"median_step_s": med, "min_step_s": min(samples[label]), "tokens_per_s": tokens / med,
+        out[label] = {"median_step_s": med[label], "min_step_s": low[label], "tokens_per_s": tokens / med[label],
                       "steps_s": samples[label]}
         if args.peak_tflops:
-            out[label]["mfu"] = out["flops_per_token"] * tokens / med / (args.peak_tflops * 1e12)
+            out[label]["mfu"] = out["flops_per_token"] * tokens / med[label] / (args.peak_tflops * 1e12)
     med_c = out["compiled"]["median_step_s"]
     out["compile_s"] = sum(t - med_c for t in out["first_calls_s"]["compiled"])
     out["speedup"] = out["eager"]["median_step_s"] / med_c
     # Per-round ratios (the two steps of a round ran back to back) and the ratio of the fastest steps: both are
     # steadier than the ratio of medians when the machine's load drifts during the run.
-    out["speedup_paired_median"] = statistics.median(e / c for e, c in zip(samples["eager"], samples["compiled"]))
+    out["speedup_paired_median"] = _bench.paired_median(samples["eager"], samples["compiled"])
     out["speedup_min"] = out["eager"]["min_step_s"] / out["compiled"]["min_step_s"]
     first_graphs = out["dynamo_after_call"][0]["unique_graphs"]
     out["graphs_after_first_call"] = out["dynamo_end"]["unique_graphs"] - first_graphs  # recompilations
@@ -182,11 +163,11 @@ def table(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _bench.parser(__doc__, whole=True)
     parser.add_argument("--models", nargs="+", default=["tiny"], choices=list(MODEL_CONFIGS))
     parser.add_argument("--paths", nargs="+", default=["plain", "2bw"], choices=["plain", "delayed-ef", "2bw"])
     parser.add_argument("--optimizer", default="adamw", choices=OPTIMIZER_NAMES)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    _bench.add_device(parser)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--microbatches", type=int, default=2, help="m of the 2bw runtime path")
@@ -198,7 +179,7 @@ def main() -> None:
                         help="device peak, e.g. 989 for H200 dense bf16: adds MFU (6N + 12LHT FLOPs/token)")
     parser.add_argument("--no-compile-cache", action="store_true",
                         help="disable Inductor's FX-graph and AOT-autograd caches (cold compile time)")
-    parser.add_argument("--json", default=None)
+    _bench.add_json(parser)
     args = parser.parse_args()
     if args.no_compile_cache:
         from torch._functorch import config as functorch_config
@@ -231,10 +212,8 @@ def main() -> None:
     total = time.perf_counter() - t0
     print(f"\ndevice {device}, torch {torch.__version__}, {torch.get_num_threads()} threads, {total:.0f} s in total")
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"settings": vars(args), "torch": torch.__version__, "threads": torch.get_num_threads(),
-                       "seconds": total, "rows": rows}, f, indent=1)
+        _bench.write_json(args.json, {"settings": vars(args), "torch": torch.__version__,
+                                      "threads": torch.get_num_threads(), "seconds": total, "rows": rows})
 
 
 if __name__ == "__main__":

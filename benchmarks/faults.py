@@ -26,6 +26,8 @@ import sys
 import tempfile
 import time
 
+import _bench
+
 SIGNALS = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP}
 PHASES = ("train", "val", "save")
 STEPS, CHECKPOINT_EVERY, VALIDATE_AT, TRAIN_FAULT_STEP, SAVE_FAULT_STEP = 8, 2, 4, 5, 6
@@ -243,7 +245,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = _bench.parser(__doc__.splitlines()[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 3])
     parser.add_argument("--signals", nargs="+", choices=list(SIGNALS), default=list(SIGNALS))
@@ -251,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=5.0, help="the strategy's timeout (seconds)")
     parser.add_argument("--limit", type=float, default=90.0, help="seconds after the fault before a rank counts as hung and is killed")
     parser.add_argument("--dir", help="where the runs write (default: a temporary directory)")
-    parser.add_argument("--json", help="also write the rows as JSON here")
+    _bench.add_json(parser, "also write the rows as JSON here")
     args = parser.parse_args(argv)
     if args.worker:
         _worker(json.loads(args.worker))
@@ -268,8 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows))
     print(f"\n{len(rows)} faults (+ resumes) on {'+'.join(map(str, args.stages))} stages in {time.time() - started:.0f} s wall; runs in {root}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        _bench.write_json(args.json, rows)
     return 0
 
 

@@ -12,11 +12,11 @@ against tokens per parameter on a log axis, one line per optimizer, with the pap
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from collections import defaultdict
 
+import _bench
 from lightning_async.compare import load_runs
 from lightning_async.models import model_config
 from lightning_async.models.smollm2 import count_parameters
@@ -100,7 +100,7 @@ def plot(table: list[dict], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = _bench.parser(__doc__)
     parser.add_argument("folders", nargs="+", help="study runs folders (or run dirs)")
     parser.add_argument("--optimizers", nargs="+", help="only these optimizers")
     parser.add_argument("--plot", metavar="PNG", help="write the gap-vs-length plot here")

@@ -28,9 +28,7 @@ robust to load that drifts during the run):
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
 import time
 
@@ -40,12 +38,11 @@ import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import _bench  # noqa: E402
 from lightning_async.lm import CausalLM  # noqa: E402
 from lightning_async.models.objective import next_token_loss, split_next_token  # noqa: E402
 from lightning_async.optim import build_optimizer  # noqa: E402
-from lightning_async.pipeline.local import run_local  # noqa: E402
 from lightning_async.pipeline.partition import partition_units  # noqa: E402
-from lightning_async.pipeline.rank import build as build_rank, plan_rank  # noqa: E402
 from lightning_async.pipeline.runtime import PipelineRuntime  # noqa: E402
 
 RECIPES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "recipes", "models")
@@ -78,8 +75,8 @@ def optimizer(named):
 
 def speeds(seconds: dict[str, list[float]], tokens: int, base: str = "ours", other: str = "hf") -> dict:
     """Tokens/s of each setting's fastest round and the median speed ratio ``other / base`` of adjacent rounds."""
-    out = {k: tokens / min(v) for k, v in seconds.items()}
-    out["ratio"] = statistics.median(b / o for b, o in zip(seconds[base], seconds[other]))
+    out = {k: tokens / t for k, t in _bench.fastest(seconds).items()}
+    out["ratio"] = _bench.paired_median(seconds[base], seconds[other])
     out["rounds"] = seconds
     return out
 
@@ -107,9 +104,9 @@ def unit_times(module, batch: torch.Tensor, reps: int) -> dict[str, float]:
     with torch.no_grad():
         hidden = units[0][1](inputs)
     heads = units[-2:] if len(units) > 6 else units[-1:]  # HF: norm + lm_head; ours: head (norm inside)
-    out = {}
+    times = {}
     for label, chosen in (("layer", [units[1]]), ("head", heads), ("context", None)):
-        times = []
+        times[label] = []
         for _ in range(reps):
             x = hidden.detach().requires_grad_(True)
             t0 = time.perf_counter()
@@ -120,10 +117,9 @@ def unit_times(module, batch: torch.Tensor, reps: int) -> dict[str, float]:
                 for _, unit in chosen:
                     x = call_unit(unit, x, context if takes_context(unit) else NO_CONTEXT)
                 x.float().sum().backward()
-            times.append(time.perf_counter() - t0)
+            times[label].append(time.perf_counter() - t0)
         module.zero_grad(set_to_none=True)
-        out[label] = statistics.median(times)
-    return out
+    return _bench.medians(times)
 
 
 def run_single(args) -> dict:
@@ -134,9 +130,8 @@ def run_single(args) -> dict:
     for k in MODELS:
         single_round(modules[k], opts[k], data[:2])  # warm-up
     seconds = {k: [] for k in MODELS}
-    for _ in range(args.rounds):
-        for k in MODELS:
-            seconds[k].append(single_round(modules[k], opts[k], data))
+    for _, k in _bench.interleaved(MODELS, args.rounds):
+        seconds[k].append(single_round(modules[k], opts[k], data))
     out = speeds(seconds, args.steps * args.batch_size * args.seq_len)
     out["units"] = {k: unit_times(modules[k], data[0], reps=20) for k in MODELS}
     out["parameters"] = {k: modules[k].num_parameters() for k in MODELS}
@@ -161,10 +156,10 @@ def stage_runtime(kind: str, stages: int, m: int) -> PipelineRuntime:
     if kind == "moe":
         module.moe.loss.one_forward_per_microbatch(m)  # as AsyncPipelineStrategy sets it up
     units = module.pipeline_units()
-    plan = plan_rank(units, "2bw", m, rank=rank, world_size=stages,
-                     stage_units=partition_units(units, stages, SECOND_STAGE_STARTS[kind]))
-    return build_rank(plan, optimizer(plan.rank_stage.module.named_parameters()), split_next_token, next_token_loss,
-                      context_fn=module.pipeline_context).runtime
+    return _bench.build_rank(units, "2bw", m, split_next_token, next_token_loss,
+                             lambda plan: optimizer(plan.rank_stage.module.named_parameters()), rank=rank,
+                             world_size=stages, stage_units=partition_units(units, stages, SECOND_STAGE_STARTS[kind]),
+                             context_fn=module.pipeline_context).runtime
 
 
 def pipeline_worker(args_dict: dict) -> dict:
@@ -172,11 +167,10 @@ def pipeline_worker(args_dict: dict) -> dict:
     data = batches(args.steps, args.batch_size, args.seq_len)
     runtimes = {k: stage_runtime(k, 2, args.microbatches) for k in MODELS}
     seconds = {k: [] for k in MODELS}
-    for r in range(args.rounds + 1):
-        for k in MODELS:
-            elapsed = timed_pipeline_round(runtimes[k], data)
-            if r:  # round 0 warms up
-                seconds[k].append(elapsed)
+    for r, k in _bench.interleaved(MODELS, args.rounds + 1):
+        elapsed = timed_pipeline_round(runtimes[k], data)
+        if r:  # round 0 warms up
+            seconds[k].append(elapsed)
     return speeds(seconds, args.steps * args.batch_size * args.seq_len)
 
 
@@ -205,20 +199,19 @@ def one_vs_pipeline_worker(args_dict: dict) -> dict:
     router_loss = singles["moe"].moe.loss if first else None  # set per setting so each trains the pipeline's objective
     opts = {k: optimizer(m.named_parameters()) for k, m in singles.items()}
     seconds = {k: {"single": [], "microbatched": [], "pipeline": []} for k in ONE_VS_PIPELINE}
-    for r in range(args.rounds + 1):
-        for k in ONE_VS_PIPELINE:
-            dist.barrier()
-            alone = chunked = 0.0
-            if first:
-                router_loss.whole_batch_per_forward(args.microbatches)
-                alone = single_round(singles[k], opts[k], data)
-                router_loss.one_forward_per_microbatch(args.microbatches)
-                chunked = single_round(singles[k], opts[k], data, args.microbatches)
-            dist.barrier()
-            both = timed_pipeline_round(runtimes[k], data)
-            if r:  # round 0 warms up
-                for setting, elapsed in (("single", alone), ("microbatched", chunked), ("pipeline", both)):
-                    seconds[k][setting].append(elapsed)
+    for r, k in _bench.interleaved(ONE_VS_PIPELINE, args.rounds + 1):
+        dist.barrier()
+        alone = chunked = 0.0
+        if first:
+            router_loss.whole_batch_per_forward(args.microbatches)
+            alone = single_round(singles[k], opts[k], data)
+            router_loss.one_forward_per_microbatch(args.microbatches)
+            chunked = single_round(singles[k], opts[k], data, args.microbatches)
+        dist.barrier()
+        both = timed_pipeline_round(runtimes[k], data)
+        if r:  # round 0 warms up
+            for setting, elapsed in (("single", alone), ("microbatched", chunked), ("pipeline", both)):
+                seconds[k][setting].append(elapsed)
     if not first:
         return {}  # process 1 timed nothing alone; process 0 reports
     tokens = args.steps * args.batch_size * args.seq_len
@@ -230,25 +223,25 @@ def one_vs_pipeline_worker(args_dict: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = _bench.parser(__doc__)
     parser.add_argument("--steps", type=int, default=10, help="training steps per round")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds per model (median reported)")
+    _bench.add_rounds(parser, 5, "rounds per model (median reported)")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--skip-pipeline", action="store_true")
     parser.add_argument("--skip-moe", action="store_true", help="leave out the MoE rows")
     parser.add_argument("--only-moe", action="store_true", help="only the MoE rows")
-    parser.add_argument("--json", help="write the results here")
+    _bench.add_json(parser, "write the results here")
     args = parser.parse_args(argv)
     results: dict = {"args": vars(args)}
     if not args.only_moe:
         results["single"] = run_single(args)
         if not args.skip_pipeline:
-            results["pipeline"] = run_local(2, pipeline_worker, vars(args), timeout=1800)[0]
+            results["pipeline"] = _bench.spawn(2, pipeline_worker, vars(args), timeout=1800)[0]
         print_ours_vs_hf(results)
     if not args.skip_moe:
-        results["one_vs_pipeline"] = rows = run_local(2, one_vs_pipeline_worker, vars(args), timeout=3600)[0]
+        results["one_vs_pipeline"] = rows = _bench.spawn(2, one_vs_pipeline_worker, vars(args), timeout=3600)[0]
         print(f"\n{'model':38s} {'one device':>10s} {'one, m µb':>10s} {'2-stage 2BW':>12s} {'pipeline / one':>15s} "
               f"{'pipeline / one, m µb':>21s}   (tokens/s)")
         for k, label in (("moe", "MoE (hf-moe-tiny)"), ("hf", "dense (hf-llama-tiny)")):
@@ -257,9 +250,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{name:38s} {r['single']:10.0f} {r['microbatched']:10.0f} {r['pipeline']:12.0f} {r['ratio']:15.3f} "
                   f"{r['ratio_microbatched']:21.3f}")
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        _bench.write_json(args.json, results)
     return results
 
 

@@ -35,10 +35,8 @@ the OS at once, so the RSS growth does not resolve activation peaks of a few MiB
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
-import json
 import os
 import sys
 import time
@@ -48,8 +46,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _stages import reset_peak_rss, rss_kib  # noqa: E402
-
+import _bench  # noqa: E402
+from _bench import reset_peak_rss, rss_kib  # noqa: E402
 
 from lightning_async.models import SmolLM2, model_config  # noqa: E402
 from lightning_async.models.objective import next_token_loss, split_next_token  # noqa: E402
@@ -57,7 +55,6 @@ from lightning_async.optim import build_optimizer  # noqa: E402
 from lightning_async.optim import ErrorFeedbackCorrection  # noqa: E402
 from lightning_async.pipeline import schedules  # noqa: E402
 from lightning_async.pipeline import stage as stage_module  # noqa: E402
-from lightning_async.pipeline.local import run_local  # noqa: E402
 from lightning_async.pipeline.partition import partition_units  # noqa: E402
 from lightning_async.pipeline.boundary import flatten  # noqa: E402
 from lightning_async.pipeline.fsdp import check_fsdp_applicable, local  # noqa: E402
@@ -86,11 +83,6 @@ def _nbytes(tensors) -> int:
         seen.add(t.data_ptr())
         total += t.numel() * t.element_size()
     return total
-
-
-def spawn(world: int, cfg: dict, timeout: float = 600.0) -> list[dict]:
-    """Run :func:`measured_worker` on ``world`` fresh processes (gloo on the CPU, nccl on CUDA)."""
-    return run_local(world, measured_worker, cfg, backend="nccl" if cfg["device"] == "cuda" else "gloo", timeout=timeout)
 
 
 # ------------------------------------------------------------------------------------------------ the stage
@@ -279,7 +271,7 @@ def measured(args, dp: int = 1, sharding: str = "none") -> list[dict]:
             except ValueError as refused:
                 print(f"skipped {config} under FSDP: {refused}")
                 continue
-        ranks = spawn(args.p * dp, cfg)
+        ranks = _bench.spawn(args.p * dp, measured_worker, cfg, backend="nccl" if cfg["device"] == "cuda" else "gloo")
         spec = schedules.spec(schedule)
         piece_bytes, piece_residue = [0] * spec.virtual_stages(args.p), [0] * spec.virtual_stages(args.p)
         for r in ranks:
@@ -427,7 +419,7 @@ def analytic_table(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _bench.parser(__doc__, whole=True)
     parser.add_argument("--model", default="tiny", help="model of the measured part")
     parser.add_argument("--p", type=int, default=2, help="stages (processes) of the measured part")
     parser.add_argument("--m", type=int, default=4, help="micro-batches per batch")
@@ -435,8 +427,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                        help="cuda: nccl, one GPU per stage (not run in this repository's CPU sessions)")
+    _bench.add_device(parser, "cpu", choices=["cpu", "cuda"],
+                      help="cuda: nccl, one GPU per stage (not run in this repository's CPU sessions)")
     parser.add_argument("--analytic-models", nargs="*", default=["smollm2-135m", "smollm2-360m"])
     parser.add_argument("--analytic-stages", nargs="+", type=int, default=[4, 8])
     parser.add_argument("--analytic-seq-len", type=int, default=2048)
@@ -446,7 +438,7 @@ def main() -> None:
                         help="replica counts of the replicas table (each > 1 measured sharded and not)")
     parser.add_argument("--fsdp", action="store_true",
                         help="replicas table: FSDP2 inside each stage too, for every dp > 1 (synchronous configs)")
-    parser.add_argument("--json", default=None, help="write the rows here")
+    _bench.add_json(parser, "write the rows here")
     args = parser.parse_args()
     if args.device == "cuda" and torch.cuda.device_count() < args.p:
         parser.error(f"--device cuda needs {args.p} GPUs (one per stage); found {torch.cuda.device_count()}")
@@ -483,9 +475,7 @@ def main() -> None:
     result["seconds"] = time.perf_counter() - t0
     print(f"\n{result['seconds']:.0f} s in total")
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        _bench.write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ mean; 1.0 balanced, 4.0 = every token to the same 2 of 8 experts), mean of the l
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import os
 import time
@@ -17,6 +16,7 @@ import time
 import torch
 import yaml
 
+import _bench
 from lightning_async.data import TextDataModule
 from lightning_async.models.hf import HFCausalLM
 from lightning_async.optim import build_optimizer
@@ -42,7 +42,7 @@ def train(config: dict, batches: list[torch.Tensor], microbatches: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = _bench.parser(__doc__)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--coefficients", type=float, nargs="+", default=[0.0, 0.01, 0.1])
     parser.add_argument("--cache-dir", default=".cache/lightning-async")

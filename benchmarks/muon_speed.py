@@ -10,23 +10,14 @@ over *all* parameters (fused on CUDA, foreach on CPU) as the yardstick of a chea
 
 from __future__ import annotations
 
-import argparse
-import json
-import random
-import statistics
-import time
 from collections import Counter
 
 import torch
 
+import _bench
 from lightning_async.models import SmolLM2, model_config
 from lightning_async.optim.muon import BatchedMuon, NorMuon
 from lightning_async.optim.zoo import group_parameters
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def build(model_name: str, device: torch.device):
@@ -47,12 +38,12 @@ def build(model_name: str, device: torch.device):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser = _bench.parser(__doc__, whole=True)
+    _bench.add_device(parser)
     parser.add_argument("--models", nargs="+", default=None, help="default: tiny small (+ smollm2-135m on CUDA)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--reps", type=int, default=None, help="default: 20 on CUDA, 3 on CPU")
-    parser.add_argument("--json", default=None)
+    _bench.add_json(parser)
     args = parser.parse_args()
     device = torch.device(args.device)
     models = args.models or (["tiny", "small", "smollm2-135m"] if device.type == "cuda" else ["tiny", "small"])
@@ -70,17 +61,10 @@ def main() -> None:
         for _ in range(args.warmup):
             for opt in optimizers.values():
                 opt.step()
-        sync(device)
-        order = list(optimizers)
-        for i in range(reps):
-            random.Random(i).shuffle(order)
-            for k in order:
-                sync(device)
-                t0 = time.perf_counter()
-                optimizers[k].step()
-                sync(device)
-                times[k].append(time.perf_counter() - t0)
-        med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+        _bench.sync(device)
+        for _, k in _bench.interleaved(optimizers, reps, "shuffle"):
+            times[k].append(_bench.timed(optimizers[k].step, device))
+        med = {k: 1e3 * t for k, t in _bench.medians(times).items()}
         shapes = Counter(tuple(p.shape) for p in matrices)
         row = dict(model=name, matrices=len(matrices), shapes={f"{r}x{c}": n for (r, c), n in shapes.items()},
                    ms=med, torch_over_batched=med["torch.Muon"] / med["BatchedMuon"],
@@ -92,8 +76,7 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=str(device), reps=reps, rows=rows), f, indent=1)
+        _bench.write_json(args.json, dict(device=str(device), reps=reps, rows=rows))
 
 
 if __name__ == "__main__":

@@ -15,16 +15,14 @@ steps (gradient queue, stashed weight versions, the correction's buffers) relati
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
-import random
-import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
+import _bench
+from _bench import sync
 from lightning_async.models import SmolLM2, model_config
 from lightning_async.optim import CORRECTIONS, DelayedOptimizer, build_correction
 from lightning_async.optim.zoo import OPTIMIZER_NAMES, build_optimizer
@@ -39,11 +37,6 @@ VARIANTS = {
 }
 EF = "delay+EF-2bw"  # the reference of the "x EF" columns
 LR = {"muon": 0.02, "normuon": 0.02, "lion": 3e-4}
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def make(name: str, base: SmolLM2, variant: dict | None):
@@ -95,15 +88,15 @@ def state_bytes(opt) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _bench.parser(__doc__, whole=True)
     parser.add_argument("--model", default="tiny", choices=["nano", "tiny", "small", "smollm2-135m"])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    _bench.add_device(parser)
     parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZER_NAMES), choices=OPTIMIZER_NAMES)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=12)
-    parser.add_argument("--json", default=None, help="write the results here")
+    _bench.add_json(parser, "write the results here")
     args = parser.parse_args()
 
     device = torch.device(args.device)
@@ -123,18 +116,15 @@ def main() -> None:
     print("-" * len(header))
     for name in args.optimizers:
         runs = {v: make(name, base, spec) for v, spec in VARIANTS.items()}
-        times = {v: ([], []) for v in VARIANTS}
+        fulls, steps = {v: [] for v in VARIANTS}, {v: [] for v in VARIANTS}
         for i in range(args.warmup):
             for v, (model, opt) in runs.items():
                 train_step(model, opt, batches[i % len(batches)], device)
-        order = list(VARIANTS)
-        for i in range(args.reps):
-            random.Random(i).shuffle(order)
-            for v in order:
-                model, opt = runs[v]
-                full, step = train_step(model, opt, batches[i % len(batches)], device)
-                times[v][0].append(full)
-                times[v][1].append(step)
+        for i, v in _bench.interleaved(VARIANTS, args.reps, "shuffle"):
+            model, opt = runs[v]
+            full, step = train_step(model, opt, batches[i % len(batches)], device)
+            fulls[v].append(full)
+            steps[v].append(step)
         extra = {v: wrapper_bytes(*runs[v]) / param_bytes for v in VARIANTS}
         opt_state = state_bytes(runs["bare"][1]) / param_bytes
         del runs
@@ -148,10 +138,11 @@ def main() -> None:
                     train_step(model, opt, batches[i], device)
                 peaks[v] = torch.cuda.max_memory_allocated(device) / 2**20
                 del model, opt
-        bare_full, bare_step = statistics.median(times["bare"][0]), statistics.median(times["bare"][1])
-        ef_full, ef_step = statistics.median(times[EF][0]), statistics.median(times[EF][1])
+        fulls, steps = _bench.medians(fulls), _bench.medians(steps)
+        bare_full, bare_step = fulls["bare"], steps["bare"]
+        ef_full, ef_step = fulls[EF], steps[EF]
         for v in VARIANTS:
-            full, step = statistics.median(times[v][0]), statistics.median(times[v][1])
+            full, step = fulls[v], steps[v]
             row = dict(optimizer=name, variant=v, step_ms=1e3 * full, step_ratio=full / bare_full, step_vs_ef=full / ef_full,
                        opt_ms=1e3 * step, opt_ratio=step / bare_step, opt_vs_ef=step / ef_step, buffer_ratio=extra[v],
                        optimizer_state_ratio=opt_state, peak_mib=peaks.get(v))
@@ -161,8 +152,8 @@ def main() -> None:
                   f"{row['opt_ms']:8.2f} {row['opt_ratio']:7.3f} {row['opt_vs_ef']:6.3f} {extra[v]:14.2f} {peak}")
         print(f"{'':9} (optimizer state: {opt_state:.2f} x parameter bytes)")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(model=args.model, device=str(device), batch=args.batch, seq=args.seq, reps=args.reps, rows=rows), f, indent=1)
+        _bench.write_json(args.json, dict(model=args.model, device=str(device), batch=args.batch, seq=args.seq,
+                                          reps=args.reps, rows=rows))
 
 
 if __name__ == "__main__":

@@ -31,10 +31,8 @@ memory on the CPU: see ``benchmarks/memory.py`` for the per-term accounting).
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import functools
-import json
 import math
 import os
 import statistics
@@ -46,12 +44,13 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _stages import SLEEP_WIDTH, Workload, p2p_probe, ping_pong, reset_peak_rss, rss_kib, spawn  # noqa: E402
+import _bench  # noqa: E402
+from _bench import reset_peak_rss, rss_kib, spawn  # noqa: E402
+from _stages import SLEEP_WIDTH, Workload, p2p_probe, ping_pong  # noqa: E402
 
 from lightning_async.optim import build_optimizer  # noqa: E402
 from lightning_async.pipeline import schedules as S  # noqa: E402
 from lightning_async.pipeline.partition import partition_units  # noqa: E402
-from lightning_async.pipeline.rank import build, plan_rank  # noqa: E402
 from lightning_async.pipeline.stage import build_rank_stage  # noqa: E402
 from lightning_async.pipeline.timing import simulate_lists  # noqa: E402
 
@@ -67,13 +66,13 @@ PROFILE_CATEGORIES = (
 
 FUSED = "-fused"  # our runtime without pre-posted receives: the fused send/receive groups NCCL runs
 OURS = ("1f1b", "gpipe", "2bw", "2bw-split", "zbh1", "interleaved", "zbv")
-# torch's schedules: class name, chunks per stage, placement, our equivalent
+# torch's schedules: class name, our schedule with its pieces' layout (chunks per stage, placement), our equivalent
 TORCH = {
-    "torch-1F1B": ("Schedule1F1B", 1, S.LOOP, "1f1b"),
-    "torch-Interleaved1F1B": ("ScheduleInterleaved1F1B", 2, S.LOOP, "interleaved"),
-    "torch-ZB1P": ("ScheduleInterleavedZeroBubble", 1, S.LOOP, "zbh1"),
-    "torch-ZBV": ("ScheduleZBVZeroBubble", 2, S.V_SHAPE, "zbv"),
-    "torch-DualPipeV": ("ScheduleDualPipeV", 2, S.V_SHAPE, None),
+    "torch-1F1B": ("Schedule1F1B", "1f1b", "1f1b"),
+    "torch-Interleaved1F1B": ("ScheduleInterleaved1F1B", "interleaved", "interleaved"),
+    "torch-ZB1P": ("ScheduleInterleavedZeroBubble", "zbh1", "zbh1"),
+    "torch-ZBV": ("ScheduleZBVZeroBubble", "zbv", "zbv"),
+    "torch-DualPipeV": ("ScheduleDualPipeV", "zbv", None),
 }
 ORDER = (*OURS, *(f"{s}{FUSED}" for s in ("1f1b", "2bw", "zbv")), *TORCH)
 DEFAULT_SCHEDULES = (*OURS, *TORCH)
@@ -82,7 +81,7 @@ DEFAULT_SCHEDULES = (*OURS, *TORCH)
 def base_schedule(name: str) -> str:
     """The schedule whose action lists a row's timing is predicted with (torch's rows: our equivalent)."""
     if name in TORCH:
-        return TORCH[name][3]
+        return TORCH[name][2]
     return name.removesuffix(FUSED)
 
 
@@ -164,12 +163,11 @@ def profile_by_category(prof: cProfile.Profile) -> dict[str, float]:
 
 def _run_ours(work: Workload, name: str, batches, warm: int, clock: Clock, profile: bool = False) -> dict:
     spec = S.spec(base_schedule(name))
-    rank, p = dist.get_rank(), work.p
+    p = work.p
     units = work.units(spec.virtual_stages(p))
-    plan = plan_rank(units, spec, work.m, rank=rank, world_size=p, pipeline_parallel_size=p,
-                     stage_units=_stage_units(work, units, spec.virtual_stages(p)))
-    built = build(plan, _optimizer(plan.named_parameters), work.split(), work.loss())
-    rt = built.runtime
+    rt = _bench.build_rank(units, spec, work.m, work.split(), work.loss(), lambda plan: _optimizer(plan.named_parameters),
+                           rank=dist.get_rank(), world_size=p, pipeline_parallel_size=p,
+                           stage_units=_stage_units(work, units, spec.virtual_stages(p))).runtime
     rt.transport.prepost_enabled = rt.transport.prepost_enabled and not name.endswith(FUSED)
     rt._forward = clock.trace("F", rt._forward)
     rt._backward = clock.trace("B", rt._backward)
@@ -207,9 +205,10 @@ def _run_torch(work: Workload, name: str, groups, batches, warm: int, clock: Clo
     import torch.distributed.pipelining as pipelining
     from torch.distributed.pipelining import PipelineStage
 
-    cls_name, v, placement, _ = TORCH[name]
+    cls_name, layout, _ = TORCH[name]
     rank, p = groups.stage, groups.num_stages
-    spec = S.ScheduleSpec(name, False, 1, True, 0, 0, chunks=v, placement=placement)  # (placement arithmetic only)
+    spec = S.spec(layout)  # (our schedule with torch's piece layout: the placement only)
+    v = spec.chunks
     pieces = p * v
     units = work.units(pieces)
     split_units = _stage_units(work, units, pieces)
@@ -264,15 +263,14 @@ def run_config(work: Workload, warm: int, n: int, order: tuple[str, ...], rounds
     dist.all_gather_object(comms, comm)
     batches = [work.batch(100 + b) for b in range(warm + n)]
     out = {"hop_s": comms[0], "runs": {name: [] for name in order}}
-    for _ in range(rounds):
-        for name in order:
-            clock = Clock()
-            dist.barrier()
-            res = _run_torch(work, name, groups, batches, warm, clock) if name in TORCH else _run_ours(work, name, batches, warm, clock, profile)
-            clocks = [None] * p
-            dist.all_gather_object(clocks, {"t": dict(clock.t), "events": clock.events, "rss_kib": res["rss_kib"],
-                                            "profile": res.get("profile")})
-            out["runs"][name].append({"marks": res["marks"], "clocks": clocks})
+    for _, name in _bench.interleaved(order, rounds):
+        clock = Clock()
+        dist.barrier()
+        res = _run_torch(work, name, groups, batches, warm, clock) if name in TORCH else _run_ours(work, name, batches, warm, clock, profile)
+        clocks = [None] * p
+        dist.all_gather_object(clocks, {"t": dict(clock.t), "events": clock.events, "rss_kib": res["rss_kib"],
+                                        "profile": res.get("profile")})
+        out["runs"][name].append({"marks": res["marks"], "clocks": clocks})
     return out
 
 
@@ -350,7 +348,7 @@ def predicted_per_batch(spec: S.ScheduleSpec, p: int, m: int, tf, tb, tw, comm: 
 
 def compute_actions_per_batch(name: str, p: int, m: int) -> int | None:
     """Compute actions (F, B, I, W) per batch on the busiest rank, in steady state (torch's: its equivalent's)."""
-    own = base_schedule(name) if name not in TORCH else TORCH[name][3]
+    own = base_schedule(name)
     if own is None:
         return None
     spec = S.spec(own)
@@ -394,7 +392,7 @@ def analyse(label: str, work: Workload, warm: int, n: int, res: dict) -> list[di
         rows.append(row)
     by_name = {r["schedule"]: r for r in rows}
     for r in rows:
-        twin = next((t for t, (_, _, _, ours) in TORCH.items() if ours == base_schedule(r["schedule"]) and r["schedule"] not in TORCH), None)
+        twin = next((t for t, (_, _, ours) in TORCH.items() if ours == base_schedule(r["schedule"]) and r["schedule"] not in TORCH), None)
         if twin in by_name:
             r["ratio_to_torch"] = r["batches_per_s"] / by_name[twin]["batches_per_s"]
     sync = [r for r in rows if r["schedule"] in TORCH or not S.spec(base_schedule(r["schedule"])).delayed]
@@ -453,7 +451,7 @@ def runnable(name: str, p: int, m: int) -> bool:
     """Whether a schedule takes these settings (torch's DualPipeV and ZB-V need ``m >= 2p``; interleaved, a multiple
     of ``p``)."""
     if name in TORCH:
-        cls, v, _, _ = TORCH[name]
+        cls = TORCH[name][0]
         if cls in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV"):
             return m >= 2 * p
         return m >= p
@@ -465,7 +463,7 @@ def runnable(name: str, p: int, m: int) -> bool:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = _bench.parser(__doc__, whole=True)
     ap.add_argument("--configs", default="sleep:4:4,sleep:4:8,sleep:4:16,real:2:4", help="comma-separated KIND:P:M")
     ap.add_argument("--schedules", default=",".join(DEFAULT_SCHEDULES), help=f"subset of {','.join(ORDER)}")
     ap.add_argument("--tf", type=float, default=0.020, help="sleep stages: forward seconds per micro-batch")
@@ -477,8 +475,8 @@ def main(argv=None) -> None:
     ap.add_argument("--min-batches", type=int, default=4)
     ap.add_argument("--microbatch-size", type=int, default=4, help="real: sequences per micro-batch")
     ap.add_argument("--seq-len", type=int, default=128, help="real: tokens per sequence")
-    ap.add_argument("--rounds", type=int, default=1, help="interleaved repetitions; the fastest of each is kept")
-    ap.add_argument("--json", default=None, help="write all rows here")
+    _bench.add_rounds(ap, 1, "interleaved repetitions; the fastest of each is kept")
+    _bench.add_json(ap, "write all rows here")
     ap.add_argument("--probe", action="store_true", help="only run the 2-rank gloo p2p anatomy probe and exit")
     ap.add_argument("--profile", action="store_true",
                     help="cProfile our runtime's timed window on every rank and print where the time goes by category "
@@ -513,8 +511,7 @@ def main(argv=None) -> None:
         print(profile_table(rows))
     print(f"\ntotal {time.perf_counter() - started:.0f}s")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "torch": torch.__version__, "rows": rows}, f, indent=1)
+        _bench.write_json(args.json, {"args": vars(args), "torch": torch.__version__, "rows": rows})
 
 
 if __name__ == "__main__":

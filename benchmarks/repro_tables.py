@@ -17,10 +17,10 @@ Reads only what ``lightning_async.compare`` reads (``load_run``); writes nothing
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
+import _bench
 from lightning_async.compare import load_run
 
 
@@ -52,7 +52,7 @@ def _wall_s(run) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = _bench.parser(__doc__)
     parser.add_argument("runs", nargs="+", metavar="LABEL=RUN_DIR")
     parser.add_argument("--ref", action="append", default=[], metavar="OPT=RUN_DIR", help="sync baseline per optimizer")
     parser.add_argument("--delayed", action="append", default=[], metavar="OPT=RUN_DIR",

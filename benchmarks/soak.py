@@ -16,7 +16,6 @@ validation drains a 2BW pipeline and flushes every pending send: the case withou
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import os
@@ -24,6 +23,8 @@ import tempfile
 import time
 
 import lightning as L
+
+import _bench
 
 MB = 1e6
 
@@ -34,11 +35,7 @@ def memory_bytes() -> dict[str, int]:
     fields = {"VmRSS": "rss", "RssAnon": "anon", "RssFile": "file"}
     out = {}
     try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                key = line.split(":")[0]
-                if key in fields:
-                    out[fields[key]] = int(line.split()[1]) * 1024
+        out = {fields[k]: kib * 1024 for k, kib in _bench.proc_status(list(fields)).items()}
     except OSError:  # not Linux: the peak, not the level
         import resource
 
@@ -117,7 +114,7 @@ def run(stages: int, schedule: str, val_every: int, steps: int, every: int, warm
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = _bench.parser(__doc__)
     parser.add_argument("--steps", type=int, default=1600)
     parser.add_argument("--warmup", type=int, default=800, help="steps before the slope is fitted (the allocator settles)")
     parser.add_argument("--every", type=int, default=20, help="sample RSS every N steps")
@@ -125,7 +122,7 @@ def main() -> None:
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 3])
     parser.add_argument("--schedules", nargs="+", default=["2bw", "1f1b"])
     parser.add_argument("--validation", nargs="+", choices=["off", "on"], default=["off", "on"])
-    parser.add_argument("--json", help="also write the rows here")
+    _bench.add_json(parser, "also write the rows here")
     args = parser.parse_args()
     rows = []
     print(f"{'stages':>6} {'schedule':>8} {'val':>5} {'rank':>4} {'RSS MB':>7} {'RSS MB/1k':>10} {'RSS %/1k':>9} "
@@ -141,8 +138,7 @@ def main() -> None:
     worst = max(r["rss"]["slope_pct"] for row in rows for r in row["ranks"])
     print(f"worst RSS slope: {worst:.2f}% of the steady RSS per 1,000 steps (target < 1%)")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        _bench.write_json(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -18,12 +18,12 @@ optimizer), then reports, averaged over the second half of the run and over all 
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 
 import torch
 
+import _bench
 from lightning_async.data import TextDataModule
 from lightning_async.models import SmolLM2, model_config
 from lightning_async.models.objective import next_token_loss, split_next_token
@@ -76,7 +76,7 @@ def measure(name: str, batches: list[torch.Tensor], vocab: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = _bench.parser(__doc__)
     parser.add_argument("--optimizers", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--path", help="a text file (default: the embedded standard-library corpus)")
