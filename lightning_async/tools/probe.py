@@ -31,8 +31,9 @@ from lightning_async.recipes_index import RecipeNotFound, resolve_config
 from lightning_async.tools.depth_advice import depth_advice
 from lightning_async.tools.study import Runner, Study, StudyError, find_recipes_dir, parse_set, run_study
 from lightning_async.tools.study.parsing import add_jobs_argument, check_jobs
+from lightning_async.tools.study.spec import CATEGORY_MODES
 
-PROBE_MODES = ["sync", "delayed", "delayed-ef"]
+PROBE_MODES = list(CATEGORY_MODES)
 #: the corrections ``--corrections all`` tries: the whole family, EF first
 ALL_CORRECTIONS = KNOWN_CORRECTIONS
 

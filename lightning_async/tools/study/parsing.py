@@ -12,7 +12,7 @@ import yaml
 
 from lightning_async.recipes_index import find_recipe, recipes_root
 from lightning_async.tools.study.matrix import DEFAULT_DELAY_KEY, DEFAULT_EF_STRENGTH_KEY, Study
-from lightning_async.tools.study.spec import StudyError, study_mode, valid_modes
+from lightning_async.tools.study.spec import CATEGORY_MODES, StudyError, study_mode, valid_modes
 
 STUDY_KEYS = (
     "name", "description", "base", "optimizers", "modes", "lrs", "seeds", "max_steps", "output", "overrides",
@@ -138,7 +138,7 @@ def study_from_dict(
     if bad:
         raise StudyError(f"study {name}: unknown optimizer(s) {', '.join(bad)}; valid optimizers: {', '.join(valid)}")
 
-    modes = [str(m) for m in _as_list(data.get("modes", ["sync", "delayed", "delayed-ef"]), "modes")]
+    modes = [str(m) for m in _as_list(data.get("modes", list(CATEGORY_MODES)), "modes")]
     bad = [m for m in modes if study_mode(m, recipes_dir) is None]
     if bad:
         raise StudyError(f"study {name}: unknown mode(s) {', '.join(bad)}; valid modes: {', '.join(valid_modes(recipes_dir))}")

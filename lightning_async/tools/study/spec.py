@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lightning_async.identity import (
-    DELAYED_MODES, DIVERGED_FILE, DONE_FILE, MODE_ASYNC_PIPE, MODE_DELAYED, MODE_SYNC, MODE_SYNC_PIPE,
+    CATEGORIES, DELAYED_MODES, DIVERGED_FILE, DONE_FILE, MODE_ASYNC_PIPE, MODE_DELAYED, MODE_SYNC, MODE_SYNC_PIPE,
+    classify,
 )
 
 COMMAND_FILE = "STUDY_COMMAND.json"  # written into a finished run dir: the args that produced it
@@ -42,6 +43,11 @@ MODES: dict[str, StudyMode] = {
     )
 }
 CORRECTED_BASES = DELAYED_MODES
+#: the study modes of the categories every study has (``identity.CATEGORIES``: sync, async, async+EF), in that
+#: order: what a study runs by default and what ``probe`` runs
+CATEGORY_MODES = ("sync", "delayed", "delayed-ef")
+if [classify(MODES[m].logged, MODES[m].correction) for m in CATEGORY_MODES] != list(CATEGORIES):
+    raise ImportError(f"CATEGORY_MODES {CATEGORY_MODES} do not fill identity.CATEGORIES {CATEGORIES} in order")
 
 
 def study_mode(name: str, recipes_dir: Path | None) -> StudyMode | None:
