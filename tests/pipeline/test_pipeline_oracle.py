@@ -20,7 +20,7 @@ STEPS = 10
 # gradient-level correction (the ones the pipeline supports). With 4 processes and 2 stages the mesh is
 # 2 stages x 2 data-parallel replicas. Pre-posting is gloo's default; the scenarios with False run the fused
 # send/receive groups that NCCL uses. Workloads: the harness's tied SmolLM2 (default; 4 blocks), ``deep`` (6 blocks:
-# two chunks per rank on 4 ranks), and the Hugging Face ``llama`` and tied ``qwen2-tied`` of tests/test_hf.py.
+# two chunks per rank on 4 ranks), and the Hugging Face ``llama`` and tied ``qwen2-tied`` of tests/models/test_hf.py.
 ADAPTIVE_EF = {"method": "adaptive-ef", "strength": 1.0, "decay": 0.8}
 NESTEROV = {"method": "nesterov", "strength": 1.0, "momentum": 0.8}
 DC_ASGD = {"method": "dc-asgd", "strength": 2.0, "adaptive": True}
