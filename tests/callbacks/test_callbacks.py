@@ -319,7 +319,6 @@ def test_error_feedback_rejects_negative_strength() -> None:
 
 
 # ---- telemetry -----------------------------------------------------------------------------------
-from lightning_async.callbacks import DelayCorrection  # noqa: E402
 from lightning_async.identity import IDENTITY_KEYS, RunIdentity  # noqa: E402
 
 
