@@ -1,4 +1,4 @@
-"""The fenced blocks of README.md and docs/*.md, read the way tests/test_docs.py runs them.
+"""The fenced blocks of README.md and docs/*.md, read the way tests/cli/test_docs.py runs them.
 
 A block's kind comes from its info string and its first line:
 

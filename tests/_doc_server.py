@@ -1,4 +1,4 @@
-"""A warm interpreter for tests/test_docs.py: ``python tests/_doc_server.py`` (started by the test, one per run).
+"""A warm interpreter for tests/cli/test_docs.py: ``python tests/_doc_server.py`` (started by the test, one per run).
 
 Importing ``lightning_async.cli`` (torch, Lightning, torchmetrics, transformers) costs about 7 s of CPU, more than a
 2-step fit itself, and the documentation has some 40 commands. This process imports it once; each request forks a

@@ -1,5 +1,5 @@
 """Tiny random configs of the Hugging Face decoder families ``HFCausalLM`` claims (transformers 5.x), for the
-family sweep of ``tests/test_hf_families.py``: two decoder layers, hidden 32, vocabulary 257, no dropout or router noise (so a
+family sweep of ``tests/models/test_hf_families.py``: two decoder layers, hidden 32, vocabulary 257, no dropout or router noise (so a
 pipeline run and its single-device reference draw no random numbers), and one spawn running a 2-stage 2BW run of
 every family."""
 

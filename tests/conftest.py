@@ -1,10 +1,26 @@
-"""Shared fixtures. The shared workloads are plain modules next to this file (``workload.py``,
-``_pipeline_harness.py``), imported by the tests that need them."""
+"""Shared fixtures, for every folder below. The test folders mirror the packages of ``lightning_async/``
+(``tests/pipeline/`` tests ``lightning_async/pipeline/``, ...; ``tests/cli/`` the command, its recipes and the
+docs; the tests of the top-level modules sit here). The shared helpers are plain modules next to this file
+(``workload.py``, ``_pipeline_harness.py``, ``_hf_oracle.py``, ...), imported by the tests that need them.
+
+Test modules are imported by their basename (no ``__init__.py``; pytest's default ``prepend`` import mode), so
+basenames stay unique across folders. This folder and every test folder are put on ``sys.path`` here, before any
+test module is imported: the helpers, and the few names one test module takes from another
+(``from test_strategy import TinyData``), import the same way whichever files a run selects, and so do the
+multi-process workers, which unpickle their functions by module name with the parent's ``sys.path``."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+
+TESTS = Path(__file__).resolve().parent
+for folder in [TESTS, *sorted(p for p in TESTS.iterdir() if p.is_dir() and any(p.glob("test_*.py")))]:
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
 
 from lightning_async.pipeline import local
 

@@ -4,7 +4,7 @@
 
 Trains a small SmolLM2-style decoder on a synthetic counting task (no download) three times from the same
 initial weights: synchronous, one-step delayed, and delayed with the chosen correction, and prints the loss of
-each. ``tests/test_examples.py`` runs it.
+each. ``tests/cli/test_examples.py`` runs it.
 """
 
 from __future__ import annotations

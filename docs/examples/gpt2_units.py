@@ -11,7 +11,7 @@ view of ``wpe`` that adds the positions (from the context) and applies the embed
 
     python docs/examples/gpt2_units.py          # builds a tiny GPT-2, checks the units, trains 30 steps on 1 device
 
-Tested against the single-device 2BW rule on 2 and 3 stages (``tests/test_gpt2_units.py``).
+Tested against the single-device 2BW rule on 2 and 3 stages (``tests/models/test_gpt2_units.py``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Recipes by name (lightning_async.recipes_index): resolution of --config values, the `recipes` command,
-study files and the packaging that ships the recipes (tests/test_wheel.py installs a real wheel)."""
+study files and the packaging that ships the recipes (tests/cli/test_wheel.py installs a real wheel)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from lightning_async.recipes_index import (
 )
 from lightning_async.tools.study import StudyError, build_parser, load_study, study_from_args
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "recipes"
 
 

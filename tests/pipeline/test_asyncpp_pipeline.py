@@ -1,7 +1,7 @@
 """AsyncPP in the real 2BW pipeline (gloo, 2 and 3 processes) follows its single-device rule.
 
 The method is an optimizer (``asyncpp``, NAdamW with beta1 0.99), so the runtime steps it like any other; the oracle
-is the harness's ``reference_run`` (``DelayedOptimizer(pairing="2bw")``), which ``tests/test_asyncpp.py`` pins to a
+is the harness's ``reference_run`` (``DelayedOptimizer(pairing="2bw")``), which ``tests/optim/test_asyncpp.py`` pins to a
 hand-written NAdamW. One spawn per process count runs every scenario.
 """
 

@@ -17,7 +17,7 @@ import yaml
 
 pytestmark = pytest.mark.slow  # the tests here start processes or run the CLI (README.md, Tests)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BUILD_INPUTS = ("setup.cfg", "pyproject.toml", "README.md", "lightning_async", "recipes")  # what setuptools reads
 BIN = "Scripts" if os.name == "nt" else "bin"
 

@@ -66,7 +66,7 @@ def test_the_adapters_each_family_needs_are_in_its_units():
 def test_the_gemma3_recipe_builds_a_gemma3_whose_units_match_it():
     import yaml
 
-    recipe = Path(__file__).resolve().parents[1] / "recipes/models/hf-gemma3-tiny.yaml"
+    recipe = Path(__file__).resolve().parents[2] / "recipes/models/hf-gemma3-tiny.yaml"
     init = yaml.safe_load(recipe.read_text())["model"]["init_args"]
     module = HFCausalLM(init["model"], vocab_size=VOCAB)  # the construction check compares the units with Gemma 3
     assert type(module.model).__name__ == "Gemma3ForCausalLM"

@@ -1,7 +1,10 @@
-"""``PipelineRuntime.memory_report()``: exact byte counts on one process (one stage, the tiny test model).
+"""The pipeline runtime (``lightning_async.pipeline.runtime``) on one process: it trains, refuses a batch it cannot
+split into micro-batches, and ``PipelineRuntime.memory_report()`` gives exact byte counts (one stage, the tiny test
+model). Its multi-process behaviour, the update rule against the single-device one, is the oracle's
+(``test_pipeline_oracle.py``, ``test_multi_tensor.py``).
 
-The expected sizes are computed from the model shape (not from the runtime's tensors): parameters from
-``SHAPE``, AdamW state as two fp32 moments per parameter plus one fp32 step counter per parameter tensor.
+The memory report's expected sizes are computed from the model shape (not from the runtime's tensors): parameters
+from ``SHAPE``, AdamW state as two fp32 moments per parameter plus one fp32 step counter per parameter tensor.
 """
 
 from __future__ import annotations
@@ -9,6 +12,9 @@ from __future__ import annotations
 import contextlib
 
 import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
 
 from lightning_async.models.objective import next_token_loss, split_next_token
 from lightning_async.optim import build_optimizer
@@ -109,3 +115,22 @@ def test_memory_report_counts_microbatches_in_flight():
     runtime.drain()
     assert max(seen) >= 1  # one stage: each forward is followed by its backward
     assert runtime.memory_report()["in_flight_microbatches"] == 0
+
+
+# ---- training and the batches it refuses ------------------------------------------------------------
+def test_one_process_runtime_trains():
+    runtime = rank_runtime([(f"model.{n}", u) for n, u in make_model().pipeline_units()], "1f1b", 2, split_next_token,
+                           next_token_loss)
+    batch = torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(0))
+    first = float(runtime.eval_batch(batch))
+    for _ in range(5):
+        runtime.train_batch(batch)
+    assert float(runtime.eval_batch(batch)) < first
+
+
+def test_inputs_and_targets_must_share_the_batch_dimension():
+    runtime = rank_runtime([("lin", nn.Linear(2, 2))], "1f1b", 2, lambda b: b, F.mse_loss)
+    with pytest.raises(ValueError, match="same size there"):
+        runtime.train_batch(((torch.ones(4, 2), torch.ones(3, 2)), torch.ones(4, 2)))
+    with pytest.raises(ValueError, match="not divisible by n_microbatches=2"):
+        runtime.train_batch((torch.ones(3, 2), torch.ones(3, 2)))

@@ -422,7 +422,7 @@ def test_soap_parity():
 
 
 # ---- recipes -------------------------------------------------------------------------------------
-RECIPES = sorted((__import__("pathlib").Path(__file__).parents[1] / "recipes" / "optimizers").glob("*.yaml"))
+RECIPES = sorted((__import__("pathlib").Path(__file__).parents[2] / "recipes" / "optimizers").glob("*.yaml"))
 
 
 def test_every_optimizer_has_a_recipe():

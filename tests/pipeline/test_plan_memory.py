@@ -115,7 +115,7 @@ def test_nominal_weight_grad_bytes_match_the_measured_ones():
 
 
 # ------------------------------------------------------------------------------------------ measured (2 processes)
-BENCHMARKS = str(Path(__file__).resolve().parent.parent / "benchmarks")
+BENCHMARKS = str(Path(__file__).resolve().parents[2] / "benchmarks")
 MEASURED = dict(model="tiny", p=2, m=4, micro_batch=2, seq_len=64, steps=2, device="cpu", sharding="none")
 
 

@@ -13,7 +13,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 pytestmark = pytest.mark.slow  # the tests here start processes or run the CLI (README.md, Tests)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SMALL_DATA = ["--data.max_chars", "400000", "--data.val_batches", "2", "--data.progress", "false"]
 
 

@@ -6,7 +6,6 @@ import random
 import warnings
 
 import pytest
-import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 

@@ -35,7 +35,7 @@ from lightning_async.tools.study import (
     subprocess_runner,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # final val loss the fake runner writes: sync 2.6 + seed effect; async + gap; EF recovers 75%
 GAPS = {"adamw": 0.28, "muon": 0.012, "lion": 0.02}

@@ -80,7 +80,7 @@ pytestmark = pytest.mark.slow  # about 40 commands and snippets, each a process
 
 MAX_STEPS, MAX_RUNS = 2, 2
 TIMEOUT_S = 1800  # one command, on a loaded 2-core machine
-DOC_SERVER = Path(__file__).with_name("_doc_server.py")
+DOC_SERVER = Path(__file__).resolve().parents[1] / "_doc_server.py"
 QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
 SHELL_SYNTAX = re.compile(r"[;&|<>$`*?~(){}\[\]\\]")  # (outside quotes) a command that needs bash
 ABORT = "terminate called"  # a process that aborted (std::terminate) at exit, even if the command exited 0

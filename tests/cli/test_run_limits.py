@@ -1,5 +1,5 @@
 """``LIGHTNING_ASYNC_MAX_STEPS`` / ``LIGHTNING_ASYNC_MAX_RUNS``: the one rule that shortens every run a command
-starts (what ``tests/test_docs.py`` runs the documentation under)."""
+starts (what ``tests/cli/test_docs.py`` runs the documentation under)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from lightning_async.run_limits import (
 )
 from lightning_async.tools.study import load_study, run_study
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(

@@ -29,7 +29,7 @@ from lightning_async.cli import (
 )
 from lightning_async.lm import CausalLM
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = str(REPO / "recipes/quickstart.yaml")
 PIPELINE = str(REPO / "recipes/pipeline/async.yaml")
 

@@ -1,6 +1,6 @@
 """``DelaySimulation``, ``ErrorFeedback`` and ``RunTelemetry`` in a real ``lightning.Trainer`` (one CPU device).
 
-The fits are compared with the independent reference loop of ``tests/test_delay.py`` driven by the same
+The fits are compared with the independent reference loop of ``tests/optim/test_delay.py`` driven by the same
 warmup-cosine ``LambdaLR`` and gradient clipping Lightning applies, so the callbacks are checked against
 the rule itself, not against ``DelayedOptimizer``.
 """
@@ -215,7 +215,7 @@ def plain_delayed_loop(optimizer: str, delays: dict[str, int] | None = None, **d
 
 @pytest.mark.parametrize("method", ["nesterov", "dc-asgd", "weight-prediction"])
 def test_delay_correction_callback_applies_the_correction(method: str) -> None:
-    """The callback hands the correction to the wrapper (its rule: tests/test_corrections.py)."""
+    """The callback hands the correction to the wrapper (its rule: tests/optim/test_corrections.py)."""
     module = make_module("adamw")
     make_trainer([DelayCorrection(method), DelaySimulation(1)]).fit(module, train_loader())
     expected = plain_delayed_loop("adamw", delay=1, correction=build_correction(method))
@@ -319,7 +319,6 @@ def test_error_feedback_rejects_negative_strength() -> None:
 
 
 # ---- telemetry -----------------------------------------------------------------------------------
-from lightning_async.callbacks import DelayCorrection  # noqa: E402
 from lightning_async.identity import IDENTITY_KEYS, RunIdentity  # noqa: E402
 
 

@@ -178,7 +178,7 @@ def test_bad_inputs(tmp_path, capsys):
     assert compare_main([str(tmp_path / "missing")]) == 2
     assert "no such file" in capsys.readouterr().err
 
-    anon = write_fake_run(tmp_path / "anon" / "run1", hparams_yaml=False)
+    write_fake_run(tmp_path / "anon" / "run1", hparams_yaml=False)
     with pytest.raises(CompareError, match=r"anon/run1.*missing optimizer, mode"):
         load_runs([tmp_path / "anon"])
     assert compare_main([str(tmp_path / "anon")]) == 2

@@ -338,14 +338,6 @@ def test_boundary_values_round_trip_and_refuse_other_types():
         flatten({"a": {1: x}}, "Pipeline unit 'u'")
 
 
-def test_inputs_and_targets_must_share_the_batch_dimension():
-    runtime = rank_runtime([("lin", nn.Linear(2, 2))], "1f1b", 2, lambda b: b, F.mse_loss)
-    with pytest.raises(ValueError, match="same size there"):
-        runtime.train_batch(((torch.ones(4, 2), torch.ones(3, 2)), torch.ones(4, 2)))
-    with pytest.raises(ValueError, match="not divisible by n_microbatches=2"):
-        runtime.train_batch((torch.ones(3, 2), torch.ones(3, 2)))
-
-
 # ---- a boundary that changes shape within a batch: the offender names itself, neighbours see PeerFailure --
 class _ShrinksOnSecondCall(nn.Module):
     def __init__(self) -> None:

@@ -1,0 +1,181 @@
+"""The correctness oracle: the multi-process pipeline follows the single-device update rule.
+
+Every scenario of one stage count runs inside one spawn (process start-up dominates on CPU).
+2BW must equal ``DelayedOptimizer(pairing="2bw")``; the flushing schedules must equal plain training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import KW_ONLY, dataclass
+
+import pytest
+import torch
+
+from _pipeline_harness import pipeline_run, reference_run, spawn
+from lightning_async.pipeline.schedules import spec
+
+pytestmark = pytest.mark.slow  # the tests here start processes or run the CLI (README.md, Tests)
+
+STEPS = 10
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One pipeline run of the oracle and the single-device run it must equal.
+
+    ``stages`` may be fewer than the processes: ``world // stages`` data-parallel replicas (4 processes and 2
+    stages: 2 stages x 2 replicas). At most one correction: Error Feedback (``ef_strength``, 0: none) or another
+    update- or gradient-level correction the pipeline supports (``correction``: ``build_correction`` settings).
+    """
+
+    stages: int
+    schedule: str
+    optimizer: str
+    _: KW_ONLY
+    ef_strength: float = 0.0
+    correction: dict | None = None
+    clip: float | None = None  # gradient-norm clipping threshold (None: no clipping)
+    drain_after: tuple[int, ...] = ()  # batches after which the pipeline is evaluated (which drains it)
+    prepost: bool = True  # pre-posted receives (gloo's default); False: the fused send/receive groups NCCL uses
+    workload: str = "smollm2"  # "smollm2", "deep" or a Hugging Face model of test_hf.py (see workload_named)
+
+    def __post_init__(self):
+        if self.ef_strength and self.correction:
+            raise ValueError(f"a scenario runs one correction, not EF {self.ef_strength} and {self.correction}")
+
+    @property
+    def correction_setting(self) -> float | dict:
+        """What the harness takes (``_pipeline_harness.correction_of``): the correction's settings, else EF's strength."""
+        return self.correction or self.ef_strength
+
+    def __str__(self) -> str:
+        correction = self.correction["method"] if self.correction else f"ef={self.ef_strength}"
+        return f"{self.schedule}/{self.optimizer}/{correction}/clip={self.clip}/{self.workload}"
+
+
+# Keyed by the number of processes. Workloads: the harness's tied SmolLM2 (default; 4 blocks), ``deep`` (6 blocks:
+# two chunks per rank on 4 ranks), and the Hugging Face ``llama`` and tied ``qwen2-tied`` of tests/models/test_hf.py.
+ADAPTIVE_EF = {"method": "adaptive-ef", "strength": 1.0, "decay": 0.8}
+NESTEROV = {"method": "nesterov", "strength": 1.0, "momentum": 0.8}
+DC_ASGD = {"method": "dc-asgd", "strength": 2.0, "adaptive": True}
+SCENARIOS = {
+    2: [
+        Scenario(2, "2bw", "adamw", drain_after=(0,)),
+        Scenario(2, "2bw", "muon", ef_strength=1.0, clip=1.0, drain_after=(4,)),
+        Scenario(2, "2bw", "lion", clip=0.5, prepost=False),
+        Scenario(2, "2bw", "adan", ef_strength=0.5),
+        Scenario(2, "2bw", "normuon", ef_strength=1.0),
+        Scenario(2, "1f1b", "adamw", clip=1.0, drain_after=(2,)),
+        Scenario(2, "gpipe", "muon", prepost=False),
+        Scenario(2, "2bw", "adamw", correction=ADAPTIVE_EF, clip=1.0, drain_after=(3,)),
+        Scenario(2, "2bw", "muon", correction=NESTEROV),
+        Scenario(2, "2bw", "adan", correction=DC_ASGD, clip=0.5, prepost=False),
+        Scenario(2, "zbh1", "adamw", clip=1.0, drain_after=(2,)),
+        Scenario(2, "interleaved", "muon", drain_after=(3,), prepost=False),
+        Scenario(2, "zbv", "adamw", clip=1.0, drain_after=(3,)),  # the tied embedding and head on one rank
+        Scenario(2, "zbv", "lion", prepost=False),
+        Scenario(2, "zbv", "adamw", clip=1.0, workload="llama"),
+        Scenario(2, "interleaved", "muon", clip=1.0, drain_after=(2,), workload="qwen2-tied"),
+        Scenario(2, "zbh1", "adamw", clip=1.0, prepost=False, workload="qwen2-tied"),
+        Scenario(2, "2bw-split", "adamw", ef_strength=1.0, clip=1.0, drain_after=(2,)),
+    ],
+    3: [
+        Scenario(3, "2bw", "adamw", correction=ADAPTIVE_EF),
+        Scenario(3, "2bw", "lion", correction=NESTEROV, clip=1.0, drain_after=(2,)),
+        Scenario(3, "2bw", "mars", correction=DC_ASGD),
+        Scenario(3, "2bw", "muon", ef_strength=1.0, clip=0.5, prepost=False),
+        Scenario(3, "zbh1", "muon", clip=0.5, drain_after=(2,)),
+        Scenario(3, "zbv", "adamw", clip=1.0),
+        Scenario(3, "2bw-split", "muon", correction=ADAPTIVE_EF, prepost=False),
+    ],
+    4: [
+        Scenario(4, "2bw", "adamw", ef_strength=1.0, clip=0.5, drain_after=(3,)),
+        Scenario(4, "2bw", "muon", prepost=False),
+        Scenario(4, "2bw", "mars", ef_strength=1.0),
+        Scenario(4, "1f1b", "adamw"),
+        Scenario(2, "2bw", "adamw", ef_strength=1.0, clip=1.0),  # pipeline x data parallel
+        Scenario(4, "zbh1", "adamw", clip=1.0, drain_after=(2,)),
+        Scenario(4, "interleaved", "adamw", workload="deep"),
+        Scenario(4, "zbv", "muon", clip=1.0, drain_after=(3,), workload="deep"),
+        Scenario(2, "zbv", "adamw", clip=1.0),  # pipeline x data parallel, two chunks per rank
+    ],
+}
+
+
+def workload_named(name: str):
+    import _pipeline_harness as harness
+
+    if name in ("smollm2", "deep"):
+        return harness.SMOLLM2 if name == "smollm2" else harness.DEEP
+    from test_hf import oracle_workload
+
+    return oracle_workload(name)
+
+
+def microbatches(stages: int) -> int:
+    """As many micro-batches as stages where the batch of 8 (and the shrunk one of 4) divides, else 4."""
+    return stages if 4 % stages == 0 else 4
+
+
+def _all_scenarios(world: int) -> list:
+    return [
+        pipeline_run(sc.stages, sc.schedule, sc.optimizer, sc.correction_setting, STEPS, sc.clip,
+                     m=microbatches(sc.stages), drain_at=sc.drain_after, prepost=sc.prepost,
+                     workload=workload_named(sc.workload))
+        for sc in SCENARIOS[world]
+    ]
+
+
+@pytest.fixture(scope="module", params=[2, 3, 4], ids=["2-processes", "3-processes", "4-processes"])
+def pipeline_results(request):
+    world = request.param
+    return world, spawn(world, _all_scenarios, world)
+
+
+def _merge(per_rank: list, index: int) -> dict[str, torch.Tensor]:
+    merged: dict[str, torch.Tensor] = {}
+    for rank_results in per_rank:
+        merged.update(rank_results[index][0])
+    return merged
+
+
+def test_pipeline_equals_single_device_rule(pipeline_results):
+    world, per_rank = pipeline_results
+    for index, sc in enumerate(SCENARIOS[world]):
+        delay = 1 if spec(sc.schedule).delayed else 0
+        replicas = world // sc.stages
+        reference = reference_run(sc.optimizer, delay, sc.correction_setting, STEPS, sc.clip,
+                                  microbatches=microbatches(sc.stages) * replicas, workload=workload_named(sc.workload))
+        for replica in range(replicas):  # every replica holds the same weights
+            weights = _merge(per_rank[replica * sc.stages : (replica + 1) * sc.stages], index)
+            assert set(weights) <= set(reference) and len(weights) >= len(reference) - 1  # tied head may appear once
+            worst = max((weights[n] - reference[n]).abs().max().item() for n in weights)
+            assert worst < 2e-5, f"{sc.stages} stages x {replicas}, {sc}: max |diff| = {worst}"
+
+
+def test_negative_control_2bw_differs_from_sync(pipeline_results):
+    world, per_rank = pipeline_results
+    two_bw = _merge(per_rank, 0)  # 2bw adamw
+    first = SCENARIOS[world][0]
+    sync = reference_run(first.optimizer, 0, 0.0, STEPS, first.clip, microbatches=microbatches(first.stages))
+    assert max((two_bw[n] - sync[n]).abs().max().item() for n in two_bw) > 1e-4
+
+
+def test_losses_reach_every_rank_and_match(pipeline_results):
+    world, per_rank = pipeline_results
+    for index in range(len(SCENARIOS[world])):
+        losses = [rank_results[index][1] for rank_results in per_rank]
+        assert all(loss == losses[0] for loss in losses), "every rank must log the same loss"
+        values = [x for x in losses[0] if x is not None]
+        assert len(values) == STEPS
+        assert all(2.0 < x < 7.0 for x in values)
+
+
+def test_receives_are_preposted_only_where_asked(pipeline_results):
+    world, per_rank = pipeline_results
+    for index, sc in enumerate(SCENARIOS[world]):
+        counts = [rank_results[index][2] for rank_results in per_rank]
+        if sc.prepost:
+            assert all(n > 0 for n in counts), f"scenario {index}: every stage pre-posts receives, got {counts}"
+        else:
+            assert counts == [0] * world
