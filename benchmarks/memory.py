@@ -59,7 +59,7 @@ from lightning_async.pipeline.partition import partition_units  # noqa: E402
 from lightning_async.pipeline.boundary import flatten  # noqa: E402
 from lightning_async.pipeline.fsdp import check_fsdp_applicable, local  # noqa: E402
 from lightning_async.pipeline.rank import build, plan_rank  # noqa: E402
-from lightning_async.pipeline.stage import StageModule  # noqa: E402
+from lightning_async.pipeline.stage import PieceModule  # noqa: E402
 from lightning_async.pipeline.measure import SavedTensorBytes, measure_model, weight_grad_bytes  # noqa: E402
 from lightning_async.pipeline.memory import schedule_memory  # noqa: E402
 from lightning_async.pipeline.weight_grad import storage_bytes  # noqa: E402
@@ -105,7 +105,7 @@ def chunk_inputs(units, stage_units, pieces: list[int], inputs, device) -> list:
 
 
 def activation_bytes(
-    module: StageModule, x: torch.Tensor, targets: torch.Tensor, last: bool, context, recompute: bool = False
+    module: PieceModule, x: torch.Tensor, targets: torch.Tensor, last: bool, context, recompute: bool = False
 ) -> int:
     """Bytes one micro-batch's forward of ``module`` keeps for its backward (parameters excluded).
 
@@ -133,7 +133,7 @@ def activation_bytes(
     return counter.total
 
 
-def deferred_bytes(module: StageModule, x: torch.Tensor, targets: torch.Tensor, last: bool, context) -> int:
+def deferred_bytes(module: PieceModule, x: torch.Tensor, targets: torch.Tensor, last: bool, context) -> int:
     """Bytes one micro-batch of ``module`` keeps from a split backward's ``I`` to its ``W`` (the linear layers'
     inputs and output gradients, :func:`~lightning_async.pipeline.measure.weight_grad_bytes`)."""
     if x.is_floating_point():

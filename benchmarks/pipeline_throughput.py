@@ -20,7 +20,7 @@ and the measurement isolates the schedules and the runtimes' overheads) and ``re
 with ``2P`` blocks: real compute, which on a machine with fewer cores than stages also measures the contention).
 
 Columns: efficiency = the bubble-free time ``max_s m (tf + tb)`` per batch over the measured one; the timing
-model's prediction (``timing.simulate_lists`` over the same action lists and window, with the forward, input- and
+model's prediction (``timing.time_action_lists`` over the same action lists and window, with the forward, input- and
 weight-gradient times each rank measured of itself in the run, the effective hop latency seen in the run's own
 traces, and the runtime's measured cost per action); the ratio to torch's
 equivalent schedule; the peak RSS growth of the worst rank over the timed window (a rough witness of activation
@@ -52,7 +52,7 @@ from lightning_async.optim import build_optimizer  # noqa: E402
 from lightning_async.pipeline import schedules as S  # noqa: E402
 from lightning_async.pipeline.partition import partition_units  # noqa: E402
 from lightning_async.pipeline.stage import build_rank_stage  # noqa: E402
-from lightning_async.pipeline.timing import simulate_lists  # noqa: E402
+from lightning_async.pipeline.timing import time_action_lists  # noqa: E402
 
 #: cProfile categories, first match wins: (label, test on (file, function name))
 PROFILE_CATEGORIES = (
@@ -339,7 +339,7 @@ def predicted_per_batch(spec: S.ScheduleSpec, p: int, m: int, tf, tb, tw, comm: 
     """Simulated seconds per batch on rank 0 over the measured window (from the end of batch ``warm - 1`` to the
     end of the drain)."""
     lists = [spec.run_actions(r, p, m, warm + n) for r in range(p)]
-    trace = simulate_lists(lists, tf, tb, comm, upd, weight=tw, schedule=spec, overhead=overhead)
+    trace = time_action_lists(lists, tf, tb, comm, upd, weight=tw, schedule=spec, overhead=overhead)
     k = 0
     for b in range(warm):
         k += len(spec.call_actions(0, p, m, b, fresh=b == 0))

@@ -28,7 +28,7 @@ from lightning_async.data import TextDataModule
 from lightning_async.models import SmolLM2, model_config
 from lightning_async.models.objective import next_token_loss, split_next_token
 from lightning_async.optim import DelayedOptimizer, build_optimizer
-from lightning_async.optim.schedules import warmup_cosine
+from lightning_async.optim.lr_schedules import warmup_cosine
 
 #: the sync-tuned lrs of the paper-regime study (recipes/study/paper-regime.yaml); wd and betas from the recipes
 SETTINGS = {

@@ -104,7 +104,7 @@ def dropout_modes_under_async_pipe() -> list[tuple[int, bool, bool]]:
     from test_strategy import TinyData
 
     from lightning_async.models.hf import HFCausalLM
-    from lightning_async.strategies import AsyncPipelineStrategy
+    from lightning_async.strategies import PipelineStrategy
 
     as_torchrun()
     L.seed_everything(0)
@@ -112,7 +112,7 @@ def dropout_modes_under_async_pipe() -> list[tuple[int, bool, bool]]:
     seen = set()
     for i, block in enumerate(module.model.transformer.h):
         block.mlp.dropout.register_forward_pre_hook(lambda mod, args, i=i: seen.add((i, torch.is_grad_enabled(), mod.training)))
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=AsyncPipelineStrategy(n_microbatches=2), max_steps=2,
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=PipelineStrategy(n_microbatches=2), max_steps=2,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=1, val_check_interval=1, num_sanity_val_steps=0)
     trainer.fit(module, datamodule=TinyData())

@@ -85,3 +85,17 @@ def test_no_import_circle_anywhere_in_the_package():
     graph = import_graph()
     assert "lightning_async.callbacks.delay" in graph["lightning_async.strategies.async_pipe"]  # the graph is read
     assert cycles(graph) == []
+
+
+def test_deprecated_names_are_the_new_objects():
+    """The names renamed in issue 36 stay importable for one release, as the very objects of their new names."""
+    from lightning_async import AsyncPipelineStrategy as top_level
+    from lightning_async.optim import lr_schedules, schedules as old_lr_schedules
+    from lightning_async.pipeline import stage, timing
+    from lightning_async.strategies import AsyncPipelineStrategy, PipelineStrategy
+
+    assert AsyncPipelineStrategy is PipelineStrategy and top_level is PipelineStrategy
+    assert stage.StageModule is stage.PieceModule
+    assert (timing.simulate, timing.simulate_lists, timing.SimResult) == (
+        timing.time_schedule, timing.time_action_lists, timing.ScheduleTiming)
+    assert old_lr_schedules.warmup_cosine is lr_schedules.warmup_cosine

@@ -24,7 +24,7 @@ from lightning_async.lm import CausalLM
 from lightning_async.models.objective import next_token_loss, split_next_token
 from lightning_async.optim import DelayedOptimizer, build_correction, build_optimizer
 from lightning_async.pipeline.profiles import parameter_delays, unit_delays
-from lightning_async.optim.schedules import warmup_cosine
+from lightning_async.optim.lr_schedules import warmup_cosine
 from test_delay import reference_delayed
 from workload import LRS, SHAPE, STEPS, WEIGHT_DECAY, make_batches
 
@@ -356,11 +356,11 @@ def test_run_identity_of_the_pipeline_strategy_error_feedback() -> None:
 
     from lightning_async.callbacks import run_identity
     from lightning_async.optim import build_correction
-    from lightning_async.strategies import AsyncPipelineStrategy
+    from lightning_async.strategies import PipelineStrategy
 
     model = CausalLM(vocab_size=VOCAB, model_overrides=OVERRIDES)
     for applied, correction, strength in ((build_correction("ef", 1.0), "ef", 1.0), (None, "none", 0.0)):
-        strategy = AsyncPipelineStrategy()
+        strategy = PipelineStrategy()
         trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
         strategy.runtime = SimpleNamespace(correction=applied)
         record = run_identity(trainer, model)

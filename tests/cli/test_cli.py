@@ -228,7 +228,7 @@ def test_the_top_level_help_imports_neither_torch_nor_lightning(tmp_path):
               "heavy = sorted(m for m in ('torch', 'lightning', 'jsonargparse') if m in sys.modules)\n"
               "print('imported:', heavy)\n"
               "import lightning_async\n"
-              "print('export:', lightning_async.AsyncPipelineStrategy.__name__)\n")
+              "print('export:', lightning_async.PipelineStrategy.__name__)\n")
     proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "imported: []" in proc.stdout and "export: AsyncPipelineStrategy" in proc.stdout, proc.stdout
+    assert "imported: []" in proc.stdout and "export: PipelineStrategy" in proc.stdout, proc.stdout

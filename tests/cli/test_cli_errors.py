@@ -61,7 +61,7 @@ def fit(tmp_path: Path, small_data: list[str], *args: str) -> list[str]:
     "args, message",
     [
         (["--config", PIPELINE, "--trainer.strategy.init_args.schedule", "zzz"],
-         "AsyncPipelineStrategy: Unknown pipeline schedule 'zzz'. Choose one of: gpipe, 1f1b, zbh1, interleaved, zbv, 2bw, 2bw-split"),
+         "PipelineStrategy: Unknown pipeline schedule 'zzz'. Choose one of: gpipe, 1f1b, zbh1, interleaved, zbv, 2bw, 2bw-split"),
         (["--model.model", "huge"], "CausalLM: Unknown model config 'huge'"),
         (["--data.source", "nowhere"], "TextDataModule: unknown data source 'nowhere'"),
     ],
@@ -271,7 +271,7 @@ def test_probe_refuses_a_pipeline_recipe(tmp_path, capsys, args, where):
     rc = probe_main(["--config", QUICKSTART, *args, "--dry-run", "--output", str(tmp_path)])
     err = capsys.readouterr().err
     assert rc == 2
-    assert f"error: {where} trains with a pipeline strategy (AsyncPipelineStrategy)" in err
+    assert f"error: {where} trains with a pipeline strategy (PipelineStrategy)" in err
     assert "--set trainer.strategy=auto --set trainer.devices=1" in err
 
 

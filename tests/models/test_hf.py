@@ -19,7 +19,7 @@ from lightning_async.callbacks import DelaySimulation, ErrorFeedback  # noqa: E4
 from lightning_async.export import export_main  # noqa: E402
 from lightning_async.models.hf import DecoderLayerUnit, HFCausalLM  # noqa: E402
 from lightning_async.optim import build_optimizer  # noqa: E402
-from lightning_async.optim.schedules import warmup_cosine  # noqa: E402
+from lightning_async.optim.lr_schedules import warmup_cosine  # noqa: E402
 from lightning_async.pipeline.partition import partition_units  # noqa: E402
 from lightning_async.pipeline.stage import build_stage  # noqa: E402
 from test_callbacks import (  # noqa: E402

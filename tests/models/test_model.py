@@ -95,7 +95,7 @@ def test_causal_lm_learns_a_repeating_sequence():
 
 def test_rope_tables_are_computed_once_per_forward_and_once_per_stage_and_microbatch(monkeypatch):
     from lightning_async.models import smollm2
-    from lightning_async.pipeline.stage import StageModule
+    from lightning_async.pipeline.stage import PieceModule
     from _pipeline_harness import rank_runtime
 
     calls = []
@@ -105,7 +105,7 @@ def test_rope_tables_are_computed_once_per_forward_and_once_per_stage_and_microb
     x = torch.randint(0, 257, (4, 9))
     expected = model(x)
     assert len(calls) == 1  # not once per block
-    stage = StageModule(model.pipeline_units())
+    stage = PieceModule(model.pipeline_units())
     assert stage.takes_context == [False, True, True, False]
     calls.clear()
     assert torch.equal(stage(x, model.pipeline_context(x)), expected) and len(calls) == 1

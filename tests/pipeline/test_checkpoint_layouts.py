@@ -32,9 +32,9 @@ ORACLE = 2e-5  # pipeline vs its one-device simulation over a whole run (test_st
 
 
 def _strategy(schedule: str = "2bw"):
-    from lightning_async.strategies import AsyncPipelineStrategy
+    from lightning_async.strategies import PipelineStrategy
 
-    return AsyncPipelineStrategy(pipeline_parallel_size=2, n_microbatches=2, schedule=schedule, checkpoint_format="dcp")
+    return PipelineStrategy(pipeline_parallel_size=2, n_microbatches=2, schedule=schedule, checkpoint_format="dcp")
 
 
 def _callbacks(pipeline: bool) -> list:

@@ -22,7 +22,7 @@ from lightning_async.optim import build_optimizer
 from lightning_async.optim import ErrorFeedbackCorrection
 from lightning_async.pipeline.boundary import flatten, takes_context, unflatten
 from lightning_async.pipeline.p2p import BoundaryChanged, PeerFailure
-from lightning_async.pipeline.stage import StageModule
+from lightning_async.pipeline.stage import PieceModule
 
 VOCAB, HIDDEN, LAYERS, BATCH, SEQ = 61, 16, 4, 12, 12  # BATCH and BATCH // 2 divisible by 2 and 3 stages
 
@@ -295,7 +295,7 @@ def test_activation_checkpointing_recomputes_with_the_weight_slot_of_its_batch()
 # ---- the contract's calling convention, without processes -------------------------------------------
 def test_stage_module_spreads_values_and_passes_context_only_where_asked():
     model = _seeded(DictLM)()
-    stage = StageModule(model.pipeline_units())
+    stage = PieceModule(model.pipeline_units())
     assert stage.takes_context == [False, True, True, True, True, False]
     inputs, _ = model.pipeline_split_batch(token_eval_batch())
     context = model.pipeline_context(inputs)
@@ -319,7 +319,7 @@ class _Returns(nn.Module):
     [(lambda y: "logits", "str"), (lambda y: None, "NoneType"), (lambda y: (y, 3), "int at output[1]"), (lambda y: {"x": [y, None]}, "NoneType at output['x'][1]")],
 )
 def test_unit_returning_a_non_tensor_is_refused(returns, offending):
-    stage = StageModule([("ok", nn.Linear(2, 2)), ("bad", _Returns(returns))])
+    stage = PieceModule([("ok", nn.Linear(2, 2)), ("bad", _Returns(returns))])
     with pytest.raises(TypeError, match=re.escape(f"Pipeline unit 'bad' returned {offending};") + ".*pipeline_context"):
         stage(torch.ones(3, 2))
     runtime = rank_runtime([("ok", stage.units[0]), ("bad", stage.units[1])], "1f1b", 1, lambda b: (b, b), F.mse_loss)
@@ -390,7 +390,7 @@ def test_partition_by_time_accepts_pytrees_and_context():
 
 
 def test_strategy_takes_the_activation_checkpointing_switch():
-    from lightning_async.strategies import AsyncPipelineStrategy
+    from lightning_async.strategies import PipelineStrategy
 
-    assert AsyncPipelineStrategy().activation_checkpointing is False
-    assert AsyncPipelineStrategy(activation_checkpointing=True).activation_checkpointing is True
+    assert PipelineStrategy().activation_checkpointing is False
+    assert PipelineStrategy(activation_checkpointing=True).activation_checkpointing is True

@@ -23,7 +23,7 @@ from lightning_async.pipeline.schedules import (
     warmup_forwards,
 )
 from lightning_async.pipeline.program import message_order_mismatches
-from lightning_async.pipeline.timing import DeadlockError, simulate_lists
+from lightning_async.pipeline.timing import DeadlockError, time_action_lists
 
 
 def _configs(seed: int, count: int) -> list[tuple[int, int, int]]:
@@ -118,7 +118,7 @@ def valid_m(schedule: str, p: int, m: int) -> int:
 
 
 def simulate_ok(lists: list[list[Action]], schedule: str = "1f1b") -> None:
-    trace = simulate_lists(lists, forward=1.0, backward=2.0, comm=0.5, schedule=schedule)
+    trace = time_action_lists(lists, forward=1.0, backward=2.0, comm=0.5, schedule=schedule)
     assert [len(t) for t in trace] == [len(a) for a in lists]
 
 
@@ -307,7 +307,7 @@ def test_simulator_detects_deadlock():
         [Action("F", 0, 0), Action("F", 1, 0), Action("B", 0, 0), Action("B", 1, 0)],
     ]
     with pytest.raises(DeadlockError, match="stage 0 waits at B0"):
-        simulate_lists(lists, 1.0, 2.0)
+        time_action_lists(lists, 1.0, 2.0)
     # A backward on the last stage with no forward anywhere in its list also never runs.
     with pytest.raises(DeadlockError):
-        simulate_lists([[Action("B", 0, 0)]], 1.0, 1.0)
+        time_action_lists([[Action("B", 0, 0)]], 1.0, 1.0)

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from lightning_async.pipeline.timeline import render_timeline
-from lightning_async.pipeline.timing import DeadlockError, predict, simulate, simulate_lists
+from lightning_async.pipeline.timing import DeadlockError, predict, time_action_lists, time_schedule
 from lightning_async.pipeline.schedules import Action
 
 GRID = [(1, 1), (1, 3), (2, 2), (3, 5), (4, 4), (4, 8), (4, 16), (8, 8), (8, 24), (16, 32)]
@@ -19,7 +19,7 @@ COSTS = [(1.0, 2.0), (1.0, 1.0), (0.3, 0.7)]
 def test_flushing_schedules_closed_form(schedule):
     for p, m in GRID:
         for tf, tb in COSTS:
-            r = simulate(schedule, p, m, 5, tf, tb)
+            r = time_schedule(schedule, p, m, 5, tf, tb)
             assert r.per_batch_time == pytest.approx((m + p - 1) * (tf + tb))
             assert r.total_time == pytest.approx(5 * (m + p - 1) * (tf + tb))
             assert r.bubble == pytest.approx((p - 1) / (m + p - 1))
@@ -33,7 +33,7 @@ def test_flushing_schedules_closed_form(schedule):
 
 
 def test_gpipe_closed_form_when_m_below_p():
-    r = simulate("gpipe", 8, 3, 4, 1.0, 2.0)
+    r = time_schedule("gpipe", 8, 3, 4, 1.0, 2.0)
     assert r.per_batch_time == pytest.approx((3 + 7) * 3.0)
     assert r.peak_inflight == [3] * 8
 
@@ -41,7 +41,7 @@ def test_gpipe_closed_form_when_m_below_p():
 def test_2bw_steady_state_has_no_bubble():
     for p, m in GRID:
         for tf, tb in COSTS:
-            r = simulate("2bw", p, m, 6, tf, tb)
+            r = time_schedule("2bw", p, m, 6, tf, tb)
             assert r.per_batch_time == pytest.approx(m * (tf + tb))
             assert r.bubble == pytest.approx(0.0, abs=1e-9)
             assert max(r.bubble_per_stage) == pytest.approx(0.0, abs=1e-9)
@@ -55,8 +55,8 @@ def test_2bw_steady_state_has_no_bubble():
 
 def test_2bw_gain_over_1f1b_matches_formula():
     for p, m in [(4, 4), (8, 16), (16, 16)]:
-        t1 = simulate("1f1b", p, m, 5, 1.0, 2.0).per_batch_time
-        t2 = simulate("2bw", p, m, 5, 1.0, 2.0).per_batch_time
+        t1 = time_schedule("1f1b", p, m, 5, 1.0, 2.0).per_batch_time
+        t2 = time_schedule("2bw", p, m, 5, 1.0, 2.0).per_batch_time
         assert t1 / t2 == pytest.approx((m + p - 1) / m)
 
 
@@ -64,11 +64,11 @@ def test_communication_latency():
     """GPipe pays the hop latency twice per fill/drain; 2BW once per round trip of its p in-flight micro-batches."""
     for p, m, c in [(2, 2, 1.0), (4, 4, 0.5), (4, 8, 0.5), (8, 16, 1.0), (8, 8, 0.25)]:
         tf, tb = 1.0, 2.0
-        gp = simulate("gpipe", p, m, 6, tf, tb, comm=c)
+        gp = time_schedule("gpipe", p, m, 6, tf, tb, comm=c)
         assert gp.per_batch_time == pytest.approx((m + p - 1) * (tf + tb) + 2 * (p - 1) * c)
-        bw = simulate("2bw", p, m, 6, tf, tb, comm=c)
+        bw = time_schedule("2bw", p, m, 6, tf, tb, comm=c)
         assert bw.per_batch_time == pytest.approx(m * (tf + tb + 2 * (p - 1) * c / p))
-        ofob = simulate("1f1b", p, m, 6, tf, tb, comm=c)
+        ofob = time_schedule("1f1b", p, m, 6, tf, tb, comm=c)
         # 1F1B alternates F and B, so it waits on the latency in its steady phase too: never faster than GPipe.
         assert ofob.per_batch_time >= gp.per_batch_time - 1e-9
         assert bw.per_batch_time < gp.per_batch_time
@@ -77,7 +77,7 @@ def test_communication_latency():
     # max over windows [s, r] of (sum of tf + tb over the window + 2 * sum of the hops inside) / (r - s + 1).
     for hops, period in [([0.0, 1.5], 4.5), ([1.5, 0.0], 4.5), ([1.0, 0.5], 4.0), ([0.25, 0.25], 10 / 3)]:
         assert period == pytest.approx(_window_bound([1.0] * 3, [2.0] * 3, hops))
-        r = simulate("2bw", 3, 6, 6, 1.0, 2.0, comm=hops)
+        r = time_schedule("2bw", 3, 6, 6, 1.0, 2.0, comm=hops)
         assert r.per_batch_time == pytest.approx(6 * period), hops
 
 
@@ -90,26 +90,26 @@ def _window_bound(tf, tb, hops):
 
 def test_unbalanced_stages_run_at_the_bottleneck():
     tf, tb = [1.0, 1.0, 2.0, 1.0], [2.0, 2.0, 4.0, 2.0]
-    r = simulate("2bw", 4, 8, 8, tf, tb)
+    r = time_schedule("2bw", 4, 8, 8, tf, tb)
     assert r.ideal_per_batch_time == pytest.approx(8 * 6.0)
     assert r.per_batch_time == pytest.approx(8 * 6.0)
     assert r.bubble_per_stage[2] == pytest.approx(0.0, abs=1e-9)
     assert r.bubble_per_stage[0] == pytest.approx(0.5)
     assert r.bubble == pytest.approx(1 - (3 * 24 + 48) / (4 * 48))
-    s = simulate("1f1b", 4, 8, 8, tf, tb)
+    s = time_schedule("1f1b", 4, 8, 8, tf, tb)
     assert s.per_batch_time > r.per_batch_time
     assert s.throughput_rel == pytest.approx(48 / s.per_batch_time)
 
 
 def test_update_time_is_paid_once_per_batch():
     for schedule, base in [("1f1b", 11 * 3.0), ("2bw", 8 * 3.0)]:
-        r = simulate(schedule, 4, 8, 6, 1.0, 2.0, update=0.5)
+        r = time_schedule(schedule, 4, 8, 6, 1.0, 2.0, update=0.5)
         assert r.per_batch_time == pytest.approx(base + 0.5)
 
 
 def test_trace_respects_dependencies():
     p, m, c = 4, 6, 0.25
-    r = simulate("2bw", p, m, 3, [1.0, 1.5, 1.0, 0.5], 2.0, comm=c)
+    r = time_schedule("2bw", p, m, 3, [1.0, 1.5, 1.0, 0.5], 2.0, comm=c)
     end = [{(a.kind, a.microbatch): e for a, _, e in t if a.kind != "U"} for t in r.trace]
     for s, t in enumerate(r.trace):
         prev_end = 0.0
@@ -133,13 +133,13 @@ def test_trace_respects_dependencies():
 
 def test_simulate_rejects_bad_settings():
     with pytest.raises(ValueError, match="n_microbatches"):
-        simulate("2bw", 4, 2, 2)
+        time_schedule("2bw", 4, 2, 2)
     with pytest.raises(ValueError, match="one per stage"):
-        simulate("1f1b", 4, 4, 2, forward=[1.0, 2.0])
+        time_schedule("1f1b", 4, 4, 2, forward=[1.0, 2.0])
     with pytest.raises(ValueError, match="num_batches"):
-        simulate("1f1b", 2, 2, 0)
+        time_schedule("1f1b", 2, 2, 0)
     with pytest.raises(DeadlockError):
-        simulate_lists([[Action("F", 1, 0)], [Action("F", 0, 0)]], 1.0, 1.0)
+        time_action_lists([[Action("F", 1, 0)], [Action("F", 0, 0)]], 1.0, 1.0)
 
 
 def test_predict():
@@ -156,7 +156,7 @@ def test_predict():
 
 
 def test_timeline_rendering():
-    r = simulate("2bw", 4, 4, 2, 1.0, 1.0)
+    r = time_schedule("2bw", 4, 4, 2, 1.0, 1.0)
     text = render_timeline(r)
     rows = text.splitlines()
     assert len(rows) == 4 and all(row.startswith(f"s{s} ") for s, row in enumerate(rows))

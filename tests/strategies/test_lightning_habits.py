@@ -29,7 +29,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from _pipeline_harness import in_world, spawn
 from lightning_async.callbacks import DelaySimulation, RunTelemetry
 from lightning_async.data.sampler import ResumableDataLoader, ResumableShuffleSampler, trainer_position
-from lightning_async.strategies import AsyncPipelineStrategy, refusals
+from lightning_async.strategies import PipelineStrategy, refusals
 
 CLASSES, STEPS, BATCH, TOL = 4, 8, 8, 1e-6
 TRAIN_ROWS, VAL_ROWS, TEST_ROWS, PREDICT_ROWS = 32, 20, 12, 9  # last evaluation batches smaller; 9 rows: replicas differ
@@ -144,7 +144,7 @@ def _pipeline(tmp: str, name: str, resume: str | None = None) -> dict:
     ckpt_dir, log_dir = os.path.join(tmp, f"ckpt-{name}"), os.path.join(tmp, f"logs-{name}-{resume is not None}")
     callbacks = [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=4, save_top_k=-1, filename="{step}"),
                  ModelCheckpoint(dirpath=os.path.join(ckpt_dir, "best"), monitor="val/accuracy", mode="max")]
-    strategy = AsyncPipelineStrategy(schedule=schedule, n_microbatches=4, pipeline_parallel_size=stages)
+    strategy = PipelineStrategy(schedule=schedule, n_microbatches=4, pipeline_parallel_size=stages)
     trainer = _trainer(strategy, stages * replicas, log_dir, callbacks=callbacks if resume is None else ())
     model, data = Classifier(), Data()
     trainer.fit(model, datamodule=data, ckpt_path=resume)
@@ -233,7 +233,7 @@ def test_spawned_predict_returns_every_prediction_to_the_main_process(habits):
     L.seed_everything(0)
     model = Classifier()
     model.load_state_dict(habits[0]["2bw"]["state"])
-    trainer = _trainer(AsyncPipelineStrategy(n_microbatches=2, start_method="spawn"), 2)
+    trainer = _trainer(PipelineStrategy(n_microbatches=2, start_method="spawn"), 2)
     predicted = trainer.predict(model, datamodule=Data())
     assert len(predicted) == 3 and torch.equal(torch.cat([b["label"] for b in predicted]),
                                                torch.cat([b["label"] for b in habits[0]["2bw"]["predict"]]))
@@ -266,7 +266,7 @@ def test_optimizers_that_need_the_trainer_are_counted_once_it_is_attached():
     """The launcher cannot count them (the strategy then counts at setup, on every rank, before the split)."""
     module = TwoOptimizersNeedingTheTrainer()
     assert refusals.count_optimizers(module) is None
-    module.trainer = L.Trainer(accelerator="cpu", devices=2, strategy=AsyncPipelineStrategy(), logger=False, max_steps=1)
+    module.trainer = L.Trainer(accelerator="cpu", devices=2, strategy=PipelineStrategy(), logger=False, max_steps=1)
     assert refusals.count_optimizers(module) == 2
     with pytest.raises(ValueError, match="configure_optimizers returned 2 optimizers"):
         refusals.refuse_optimizers(module, refusals.count_optimizers(module))
@@ -293,13 +293,13 @@ def no_rank_starts(monkeypatch):
     (Classifier, {"gradient_clip_val": 1.0, "gradient_clip_algorithm": "value"}, r"gradient_clip_algorithm='value'.*'norm'"),
 ])
 def test_unsupported_training_is_refused_before_any_rank_starts(no_rank_starts, module, trainer_kwargs, message):
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=AsyncPipelineStrategy(), logger=False, max_steps=1, **trainer_kwargs)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=PipelineStrategy(), logger=False, max_steps=1, **trainer_kwargs)
     with pytest.raises(ValueError, match=message):
         trainer.fit(module(), datamodule=Data())
 
 
 def test_steps_the_pipeline_does_not_run_are_named_once(no_rank_starts):
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=AsyncPipelineStrategy(), logger=False, accumulate_grad_batches=2)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=PipelineStrategy(), logger=False, accumulate_grad_batches=2)
     with pytest.warns(UserWarning, match=r"LoggingSteps overrides training_step, validation_step, test_step, which the pipeline"):
         with pytest.raises(ValueError, match="accumulate_grad_batches"):
             trainer.fit(LoggingSteps(), datamodule=Data())

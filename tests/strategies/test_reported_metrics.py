@@ -32,7 +32,7 @@ from _pipeline_harness import spawn
 from lightning_async.callbacks import DelaySimulation
 from lightning_async.data.sampler import ResumableShuffleSampler
 from lightning_async.lm import CausalLM
-from lightning_async.strategies import AsyncPipelineStrategy
+from lightning_async.strategies import PipelineStrategy
 
 pytestmark = pytest.mark.slow
 
@@ -104,7 +104,7 @@ def _pipeline_fit(name: str, tmp: str) -> dict:
     stages, replicas, schedule = SCENARIOS[name]
     model = _model()
     log_dir = os.path.join(tmp, name)
-    trainer = _trainer(AsyncPipelineStrategy(schedule=schedule, n_microbatches=4, pipeline_parallel_size=stages),
+    trainer = _trainer(PipelineStrategy(schedule=schedule, n_microbatches=4, pipeline_parallel_size=stages),
                        stages * replicas, log_dir, max_steps=STEPS, val_check_interval=STEPS)
     trainer.fit(model, datamodule=Data())
     val = float(trainer.callback_metrics["val/loss"])
@@ -122,7 +122,7 @@ def _validate_on_one_device() -> tuple[CausalLM, float]:
 
 def _pipeline_validate(model: CausalLM) -> dict:
     """The same module object, now by a 2-stage pipeline in the same process."""
-    trainer = _trainer(AsyncPipelineStrategy(schedule="2bw", n_microbatches=2), 2)
+    trainer = _trainer(PipelineStrategy(schedule="2bw", n_microbatches=2), 2)
     val = trainer.validate(model, datamodule=Data(), verbose=False)[0]["val/loss"]
     test = trainer.test(model, datamodule=Data(), verbose=False)[0]["test/loss"]
     return {"val": val, "test": test}
@@ -180,7 +180,7 @@ def test_spawned_pipeline_validate_after_a_single_device_validate():
     """The user's path: validate on one device, then the same module object through Lightning's spawn launcher."""
     model, single = _validate_on_one_device()
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    trainer = _trainer(AsyncPipelineStrategy(schedule="2bw", n_microbatches=2, start_method="spawn"), 2)
+    trainer = _trainer(PipelineStrategy(schedule="2bw", n_microbatches=2, start_method="spawn"), 2)
     val = trainer.validate(model, datamodule=Data(), verbose=False)[0]["val/loss"]
     assert val == pytest.approx(single, abs=TOL)
     assert val == pytest.approx(_single_device_eval(state)[0], abs=TOL)
