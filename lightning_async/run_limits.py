@@ -7,7 +7,7 @@
 * ``LIGHTNING_ASYNC_MAX_RUNS=N``: a ``study`` (and a ``probe``, a small study) trains only the first ``N`` runs of
   its matrix, seeds outermost (``--dry-run`` still lists them all).
 
-Unset, nothing changes. ``tests/test_docs.py`` runs the commands of README.md and docs/ under both.
+Unset, nothing changes. ``tests/cli/test_docs.py`` runs the commands of README.md and docs/ under both.
 """
 
 from __future__ import annotations
