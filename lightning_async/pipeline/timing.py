@@ -1,6 +1,6 @@
 """The timing model of the pipeline schedules (pure Python, no torch).
 
-The simulator executes each rank's action list (:meth:`~lightning_async.pipeline.schedules.ScheduleSpec.run_actions`)
+The timing model executes each rank's action list (:meth:`~lightning_async.pipeline.schedules.ScheduleSpec.run_actions`)
 under the runtime's dependency rules, on the model's pieces (virtual stages; one per rank except for the
 interleaved and V schedules):
 
