@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from lightning_async.tools.depth_study import Comparison, DepthRow, find_comparison, load_summaries
+from lightning_async.compare.statistics import mean_interval, paired_differences
+from lightning_async.tools.depth_study import Comparison, DepthRow, SeedRow, find_comparison, load_summaries, read_rows
 
 FINDINGS = Path(__file__).with_name("depth_findings.json")
 SOURCE = "docs/results.md, Depth"
@@ -28,6 +29,39 @@ def load_findings(path: Path = FINDINGS) -> list[DepthRow]:
 def load_comparisons(path: Path = FINDINGS) -> list[Comparison]:
     """The shipped paired differences between configurations (an empty list when there are none)."""
     return load_summaries(path)[1] if path.is_file() else []
+
+
+def load_seed_rows(path: Path = FINDINGS) -> list[SeedRow]:
+    """The shipped per-seed rows (an empty list when there are none)."""
+    return read_rows(path) if path.is_file() else []
+
+
+def optimizer_advice(stages: int, rows: Sequence[SeedRow] | None = None) -> str | None:
+    """Across optimizers, under PipeDream's profile at ``stages`` without a correction: the optimizer with the
+    smallest mean gap to its own sync run, and against each other one measured there whether the paired difference
+    (by seed) is established; ``None`` when fewer than two optimizers were measured at that profile."""
+    rows = load_seed_rows() if rows is None else rows
+    profile = f"pipedream-{stages}"
+    gaps: dict[str, dict[int, float]] = {}
+    for r in rows:
+        if r.profile == profile and r.correction == "none":
+            gaps.setdefault(r.optimizer, {})[r.seed] = r.gap
+    if len(gaps) < 2:
+        return None
+    mean = {o: sum(g.values()) / len(g) for o, g in gaps.items()}
+    best, *others = sorted(gaps, key=mean.get)
+    parts = []
+    for other in others:
+        differences = paired_differences(gaps[best], gaps[other])
+        interval = mean_interval(differences)
+        if interval is None:
+            parts.append(f"against {other}'s ({mean[other]:+.3f}): not established, fewer than two seeds in common")
+            continue
+        verdict = "established" if interval.below(0.0) else "not established (the interval includes 0)"
+        parts.append(f"minus {other}'s ({mean[other]:+.3f}): {sum(differences) / len(differences):+.3f} "
+                     f"({interval.describe()}, paired by seed), {verdict}")
+    return (f"p={stages}, across optimizers under {profile} without a correction ({SOURCE}): {best} has the smallest "
+            f"gap to its own sync run, {mean[best]:+.3f} (n={len(gaps[best])}); its gap " + "; ".join(parts) + ".")
 
 
 def _label(row: DepthRow) -> str:
@@ -91,6 +125,13 @@ def depth_advice(stages: int, findings: Sequence[DepthRow] | None = None, optimi
 
 
 def depth_advice_lines(stages: Iterable[int], optimizer: str = "adamw") -> str:
-    """:func:`depth_advice` for each stage count, one per line (what ``plan --compare`` prints)."""
-    findings, comparisons = load_findings(), load_comparisons()
-    return "\n".join(depth_advice(p, findings, optimizer, comparisons) for p in stages)
+    """:func:`depth_advice` for each stage count, one per line, each followed by :func:`optimizer_advice` where
+    several optimizers were measured (what ``plan`` prints)."""
+    findings, comparisons, rows = load_findings(), load_comparisons(), load_seed_rows()
+    lines = []
+    for p in stages:
+        lines.append(depth_advice(p, findings, optimizer, comparisons))
+        across = optimizer_advice(p, rows) if p > 1 else None
+        if across is not None:
+            lines.append(across)
+    return "\n".join(lines)

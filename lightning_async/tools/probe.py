@@ -28,7 +28,7 @@ from lightning_async.compare.ranking import Recommendation, recommend
 from lightning_async.identity import EF, KNOWN_CORRECTIONS
 from lightning_async.optim.corrections import CORRECTIONS, FORWARD
 from lightning_async.recipes_index import RecipeNotFound, resolve_config
-from lightning_async.tools.depth_advice import depth_advice
+from lightning_async.tools.depth_advice import depth_advice, optimizer_advice
 from lightning_async.tools.study import Runner, Study, StudyError, find_recipes_dir, parse_set, run_study
 from lightning_async.tools.study.parsing import add_jobs_argument, check_jobs
 from lightning_async.tools.study.spec import CATEGORY_MODES
@@ -310,6 +310,9 @@ def probe_main(argv: list[str] | None = None, *, runner: Runner | None = None) -
         lines.append(prefix + recommendation(recommendations.get(optimizer)))
     if args.stages is not None:
         lines.append("Depth: " + depth_advice(args.stages))
+        across = optimizer_advice(args.stages) if args.stages > 1 else None
+        if across is not None:
+            lines.append("Depth: " + across)
     text = "\n".join(lines)
     print("\n" + text)
     (study.compare_dir / "verdict.md").write_text("# Probe verdict\n\n" + text.replace("\n", "\n\n") + "\n")

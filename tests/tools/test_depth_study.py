@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
 from lightning_async.compare.synthetic import write_fake_run
-from lightning_async.tools.depth_advice import FINDINGS, depth_advice, load_comparisons, load_findings
+from lightning_async.tools.depth_advice import FINDINGS, depth_advice, load_comparisons, load_findings, optimizer_advice
 from lightning_async.tools.depth_study import (
     SeedRow,
     collect,
@@ -178,6 +179,32 @@ def test_advice_says_what_is_not_measured() -> None:
     assert "no muon measurement" in depth_advice(8, summaries, optimizer="muon")
     with pytest.raises(ValueError, match="stages must be a positive number"):
         depth_advice(0, summaries)
+
+
+def test_across_optimizers_the_smallest_gap_is_established_only_by_its_paired_interval() -> None:
+    def rows(optimizer, gaps, profile="pipedream-4"):
+        return [SeedRow(optimizer, profile, "none", seed, gap, 1.0) for seed, gap in enumerate(gaps)]
+
+    # SOAP's gap is below AdamW's in every seed: -0.48, -0.51, -0.49 (sd 0.0153, half-width 4.303 sd / sqrt(3) = 0.038)
+    text = optimizer_advice(4, rows("adamw", [0.52, 0.54, 0.52]) + rows("soap", [0.04, 0.03, 0.03]))
+    assert "soap has the smallest gap to its own sync run, +0.033 (n=3)" in text
+    assert "minus adamw's (+0.527): -0.493 (95% CI -0.531 to -0.455, n=3, paired by seed), established" in text
+    # one seed the other way round: the paired interval includes 0
+    text = optimizer_advice(4, rows("adamw", [0.52, 0.54, 0.02]) + rows("soap", [0.04, 0.03, 0.30]))
+    assert "not established (the interval includes 0)" in text and ", established" not in text
+    # one seed in common, another profile, a correction: no comparison, or nothing said
+    text = optimizer_advice(4, rows("adamw", [0.52]) + rows("soap", [0.04]))
+    assert "not established, fewer than two seeds in common" in text
+    assert optimizer_advice(4, rows("adamw", [0.5, 0.5]) + rows("soap", [0.04, 0.03], profile="pipedream-8")) is None
+    assert optimizer_advice(8, rows("soap", [0.04, 0.03], profile="pipedream-8")) is None
+
+
+def test_shipped_findings_say_soap_beats_adamw_under_pipedream() -> None:
+    for p in (4, 8):  # docs/results.md, Part D: SOAP's gap under PipeDream's profile, three seeds against AdamW's
+        text = optimizer_advice(p)
+        assert "soap has the smallest gap" in text
+        assert re.search(r"minus adamw's \(\+[0-9.]+\): -[0-9.]+ \(95% CI -[0-9.]+ to -[0-9.]+, n=3, paired by seed\), "
+                         r"established", text), text
 
 
 def test_shipped_findings_are_the_paired_summaries_of_their_rows() -> None:
