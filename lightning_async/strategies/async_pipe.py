@@ -2,7 +2,6 @@
 
 ``AsyncPipelineStrategy`` is its old name (deprecated: it also runs every synchronous schedule), kept for one release.
 
-
 Thin glue between Lightning and :class:`~lightning_async.pipeline.runtime.PipelineRuntime`: it cuts the
 LightningModule down to this rank's stage (:mod:`~lightning_async.pipeline.stage`), makes the mesh's process
 groups, hands training, evaluation and logging of the loss to the runtime, and saves per-stage checkpoints
