@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 from datetime import timedelta
 
 import torch
@@ -35,6 +36,20 @@ def make_pipeline_groups(
     if key not in _MADE:
         _MADE[key] = _make(mesh, rank, timeout)
     return dataclasses.replace(_MADE[key])
+
+
+def release_process_groups() -> None:
+    """Destroy every process group and free it now, gloo's threads joined while the interpreter is whole.
+
+    ``destroy_process_group`` only shuts the groups down; a group object stays alive (and its threads with it)
+    while anything references it, this module's cache included. Left to interpreter finalization, gloo's threads
+    may free finished works whose tensors need the GIL, and the process aborts after a successful run ("terminate
+    called without an active exception", SIGABRT). Callers drop their own references first (the strategy's
+    ``teardown``)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    _MADE.clear()
+    gc.collect()  # (groups held in reference cycles)
 
 
 def _make(mesh: PipelineMesh, rank: int, timeout: timedelta | None) -> PipelineGroups:

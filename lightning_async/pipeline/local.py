@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lightning_async.pipeline.groups import release_process_groups
+
 HOST = "127.0.0.1"
 _start_method = "spawn"  # how run_local starts workers (start_from_forkserver changes it)
 
@@ -102,8 +104,7 @@ def _worker(rank: int, world: int, port: int, backend: str, fn: Callable, args: 
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        release_process_groups()
 
 
 def run_local(

@@ -30,6 +30,7 @@ from lightning_async.optim.corrections import Correction, as_correction, check_a
 from lightning_async.pipeline import schedules
 from lightning_async.pipeline.contract import check_pipeline_contract
 from lightning_async.pipeline.fsdp import whole
+from lightning_async.pipeline.groups import release_process_groups
 from lightning_async.pipeline.mesh import PipelineMesh
 from lightning_async.pipeline.metrics import LossExtras
 from lightning_async.pipeline.predict import predict_batch
@@ -54,15 +55,6 @@ def _checked_timeout(timeout: timedelta | float | None) -> timedelta | None:
             f"got {seconds!r}."
         )
     return None if timeout is None else timedelta(seconds=seconds)
-
-
-def destroy_groups_at_exit() -> None:
-    """Destroy every process group while the interpreter is still whole (registered with ``atexit`` once a rank has
-    joined). Left to interpreter finalization, gloo's threads may still hold finished works whose tensors need the
-    GIL when freed, and the rank aborts after a successful run ("terminate called without an active exception",
-    SIGABRT; pytorch/pytorch#190489). Lightning leaves the group open after ``fit`` (a ``test`` may follow)."""
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 class PipelineStrategy(DDPStrategy):
@@ -144,6 +136,7 @@ class PipelineStrategy(DDPStrategy):
                              f"(torch.distributed.checkpoint, moves between layouts), got {checkpoint_format!r}.")
         self.checkpoint_format = checkpoint_format
         self.runtime: PipelineRuntime | None = None
+        self.loss_extras: LossExtras | None = None
         self.stage_units: list[list[str]] = []
         self.checkpoints = PipelineCheckpoints(self)
         self.sigterm = SigtermStop(self.describe_rank)  # (a bound method: the strategy is pickled under spawn)
@@ -220,8 +213,9 @@ class PipelineStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         self.validate_mesh()
         super().setup_environment()
-        atexit.unregister(destroy_groups_at_exit)  # once per process, however many trainers
-        atexit.register(destroy_groups_at_exit)
+        # Lightning leaves the groups open after ``fit`` (a ``test`` may follow): they are destroyed and freed at exit
+        atexit.unregister(release_process_groups)  # once per process, however many trainers
+        atexit.register(release_process_groups)
 
     @override
     def _configure_launcher(self) -> None:
@@ -468,7 +462,10 @@ class PipelineStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        self.runtime = None  # frees the weight slots (on the GPU) with the rest of the strategy's state
+        # Frees the weight slots (on the GPU) and every reference to the pipeline's process groups: the trainer
+        # outlives ``fit`` (the CLI's instantiator holds it until exit), and a group it still references is freed,
+        # gloo's threads with it, only during interpreter finalization (a rare abort at exit).
+        self.runtime = self.loss_extras = None
         super().teardown()
 
     @classmethod

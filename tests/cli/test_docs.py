@@ -128,7 +128,9 @@ class Outcome:
         if self.returncode != 0:
             return f"`{command}` exited {self.returncode} (run at {self.where}); its output ends:\n{self.output[-3000:]}"
         if ABORT in self.output:
-            return f"`{command}` printed {ABORT!r} (a process aborted at exit; run at {self.where})"
+            before = self.output[:self.output.index(ABORT)].splitlines()[-20:]
+            return (f"`{command}` printed {ABORT!r} (a process aborted at exit; run at {self.where}); the lines before "
+                    "it and the message:\n" + "\n".join(before) + "\n" + self.output[self.output.index(ABORT):][:500])
         return None
 
 
