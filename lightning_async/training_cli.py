@@ -4,8 +4,10 @@ module (and so torch and Lightning) only for these commands.
 
 Recipes compose through repeated ``--config`` (later files win); a value that is not a file is the name of
 a shipped recipe (``--config quickstart --config optimizers/muon``, :mod:`lightning_async.recipes_index`).
-The delay and the corrections are config sections of their own (``delay:``, ``error_feedback:``,
-``correction:``), so mode and correction recipes never have to replace the trainer's callback list.
+The delay and its correction are config sections of their own (``delay:``, the cause: ``DelaySimulation``;
+``correction:``, the remedy: ``DelayCorrection``, Error Feedback being ``method: ef``), so mode and correction
+recipes never have to replace the trainer's callback list. ``error_feedback:`` (``ErrorFeedback``), the older
+spelling of ``correction: {method: ef}``, still works for one release and says so.
 
 The ``model`` section takes any LightningModule (``class_path`` + ``init_args``); without a
 ``class_path`` it is :class:`~lightning_async.lm.CausalLM`, so ``model: {optimizer: muon}`` and
@@ -157,13 +159,30 @@ class ConstructorErrors:
         return None, err
 
 
+DEPRECATED_EF_SECTION = "error_feedback"
+
+
+def warn_deprecated_ef_section(callback) -> None:
+    """The ``error_feedback:`` section is ``correction: {method: ef}`` spelled the old way: it still works (for one
+    release), with a warning that names the new spelling."""
+    if callback is None or not callback.active:
+        return
+    options = "" if callback.extrapolate_weight_decay else ", options: {extrapolate_weight_decay: false}"
+    warnings.warn(
+        f"The {DEPRECATED_EF_SECTION}: section (--{DEPRECATED_EF_SECTION}.*) is deprecated and goes in the next "
+        f"release: write correction: {{method: ef, strength: {callback.strength:g}{options}}} (--correction.method ef "
+        f"--correction.strength {callback.strength:g}), the one section for every staleness correction.",
+        FutureWarning, stacklevel=2,
+    )
+
+
 # ---- the CLI --------------------------------------------------------------------------------------
 class AsyncCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_lightning_class_args(DelaySimulation, "delay")
         parser.set_defaults({"delay.delay": 0})
-        parser.add_lightning_class_args(ErrorFeedback, "error_feedback")
-        parser.set_defaults({"error_feedback.strength": 0.0})
+        parser.add_lightning_class_args(ErrorFeedback, DEPRECATED_EF_SECTION)  # (deprecated: correction.method ef)
+        parser.set_defaults({f"{DEPRECATED_EF_SECTION}.strength": 0.0})
         parser.add_lightning_class_args(DelayCorrection, "correction")  # recipes/corrections/<method>.yaml
         parser.set_defaults({"correction.method": "none"})
         parser.add_lightning_class_args(RunTelemetry, "telemetry")
@@ -207,6 +226,7 @@ class AsyncCLI(LightningCLI):
             raise CLIError(f"{class_type.__name__}: {cause}" if class_type else str(cause)) from cause
 
     def after_instantiate_classes(self) -> None:
+        warn_deprecated_ef_section(self.config_init.get(self.subcommand, {}).get(DEPRECATED_EF_SECTION))
         check_sequence_length(self.model, self.datamodule)
         pipeline = isinstance(self.trainer.strategy, PipelineStrategy)
         try:  # before any data is prepared or any rank starts

@@ -311,7 +311,7 @@ class DelayCorrection(Callback):
         if others:
             names = ", ".join(cb.correction.method for cb in [self, *others])
             raise ValueError(f"Two staleness corrections are switched on ({names}); choose one (set the other's "
-                             "strength to 0, e.g. --error_feedback.strength 0).")
+                             "strength to 0, or give the one you want as the correction: section only).")
         check_applicable(self.correction, pipeline_schedule(trainer), len(_delay_sources(trainer)), self.describe())
 
 

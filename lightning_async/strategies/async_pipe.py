@@ -73,8 +73,8 @@ class PipelineStrategy(DDPStrategy):
         partition: ``"uniform"``, ``"parameters"``, ``"time"`` or the unit names where stages 1.. begin.
         correction: a staleness correction for the delayed schedules (``2bw``, ``2bw-split``): a method name
             (``"ef"``), ``build_correction``'s arguments (``{"method": "ef", "strength": 0.5}``) or a ``Correction``.
-            The ``ErrorFeedback`` / ``DelayCorrection`` callbacks set the same thing (the CLI's ``error_feedback:``
-            and ``correction:`` sections); give it one way.
+            The ``ErrorFeedback`` / ``DelayCorrection`` callbacks set the same thing (the CLI's ``correction:``
+            section); give it one way.
         error_feedback: deprecated: ``correction={"method": "ef", "strength": error_feedback}``.
         activation_checkpointing: recompute each pipeline unit's forward in the backward, so a stage keeps only
             its units' inputs for the micro-batches in flight (less memory, about one more forward of compute).

@@ -140,7 +140,8 @@ BAD_INPUTS = {
     "huge": (["--model.model", "huge"], "Unknown model config 'huge'"),
     "sgdx": (["--model.optimizer", "sgdx"], "Unknown optimizer 'sgdx'"),
     "nowhere": (["--data.source", "nowhere"], "nowhere"),
-    "ef-without-delay": (["--error_feedback.strength", "1.0"], "ErrorFeedback needs a delay source"),
+    "ef-without-delay": (["--correction.method", "ef"], "DelayCorrection('ef') needs a delay source"),
+    "ef-without-delay-old-spelling": (["--error_feedback.strength", "1.0"], "ErrorFeedback needs a delay source"),
     "unknown-key": (["--trainer.no_such_key", "1"], "no_such_key"),
 }
 

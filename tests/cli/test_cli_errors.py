@@ -94,7 +94,8 @@ CORRECTIONS = str(REPO / "recipes/corrections")
         (["--config", str(REPO / "recipes/pipeline/sync.yaml"), "--config", f"{CORRECTIONS}/nesterov.yaml"],
          "The 'nesterov' correction corrects the one-step delay of schedule '2bw', but schedule '1f1b' is synchronous"),
         (["--config", f"{CORRECTIONS}/dc-asgd.yaml"], "DelayCorrection('dc-asgd') needs a delay source"),
-        (["--config", str(REPO / "recipes/modes/delayed-ef.yaml"), "--config", f"{CORRECTIONS}/nesterov.yaml"],
+        (["--config", str(REPO / "recipes/modes/delayed.yaml"), "--error_feedback.strength", "1",
+          "--config", f"{CORRECTIONS}/nesterov.yaml"],  # (the deprecated section beside the correction section)
          "Two staleness corrections are switched on"),
         (["--config", PIPELINE, "--trainer.strategy.init_args.n_microbatches", "1"],
          "schedule '2bw' needs at least as many micro-batches per batch as pipeline stages"),
@@ -350,3 +351,16 @@ def test_a_diverging_fit_stops_by_default_and_is_marked(tmp_path, capsys, small_
     (marker,) = (tmp_path / "runs").rglob("DIVERGED")
     assert json.loads(marker.read_text())["value"] == "nan"
     assert (marker.parent / "DONE").exists() != stop  # a stopped run never counts as finished
+
+
+def test_the_old_error_feedback_section_still_works_and_names_its_new_spelling():
+    """``error_feedback:`` is ``correction: {method: ef}`` spelled the old way (deprecated for one release)."""
+    from lightning_async.callbacks import ErrorFeedback
+    from lightning_async.training_cli import warn_deprecated_ef_section
+
+    with pytest.warns(FutureWarning, match=r"correction: \{method: ef, strength: 0.5, options: \{extrapolate_weight_decay: false\}\}"):
+        warn_deprecated_ef_section(ErrorFeedback(0.5, extrapolate_weight_decay=False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_deprecated_ef_section(ErrorFeedback(0.0))  # the section's default: off, nothing to say
+        warn_deprecated_ef_section(None)

@@ -202,7 +202,7 @@ def test_ablation_keys(tmp_path):
     assert names == ["adamw-sync-s0", "adamw-delayed-ef-d1-ef0.5-s0", "adamw-delayed-ef-d1-ef1-s0",
                      "adamw-delayed-ef-d2-ef0.5-s0", "adamw-delayed-ef-d2-ef1-s0"]
     cmd = study.expand()[2].command
-    assert cmd[cmd.index("--error_feedback.strength") + 1] == "1" and cmd[cmd.index("--delay.delay") + 1] == "1"
+    assert cmd[cmd.index("--correction.strength") + 1] == "1" and cmd[cmd.index("--delay.delay") + 1] == "1"
 
 
 #: every shipped study file: those with a ``name`` (the rest of study/ are fit configs and data overrides they compose)

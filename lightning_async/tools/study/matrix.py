@@ -9,7 +9,7 @@ from pathlib import Path
 
 from lightning_async.tools.study.spec import MODES, RunSpec, StudyError, StudyMode, study_mode
 
-DEFAULT_EF_STRENGTH_KEY = "error_feedback.strength"
+DEFAULT_EF_STRENGTH_KEY = "correction.strength"  # (the delayed-ef mode's correction is method ef)
 DEFAULT_DELAY_KEY = "delay.delay"
 
 
