@@ -75,16 +75,23 @@ class _SleepWeight(torch.autograd.Function):
 class SleepStage(nn.Module):
     """``y = x * w`` with one scalar parameter; the forward sleeps ``tf``, the backward ``tb``: ``tb - tw`` for the
     input gradient and ``tw`` for the weight gradient, as two autograd nodes, so both our split backward and
-    torch's (``torch.autograd.grad`` with respect to the inputs, then the weights) run each part alone."""
+    torch's (``torch.autograd.grad`` with respect to the inputs, then the weights) run each part alone.
 
-    def __init__(self, tf: float, tb: float, tw: float | None = None) -> None:
+    ``weights``: that many more (zero) parameter tensors, each added to the output: a real stage's count of weight
+    tensors (a SmolLM2-360M stage of 4 has about 75), for what a runtime pays per tensor per action."""
+
+    def __init__(self, tf: float, tb: float, tw: float | None = None, weights: int = 0) -> None:
         super().__init__()
         self.tf, self.tb = tf, tb
         self.tw = tb / 2 if tw is None else tw
         self.w = nn.Parameter(torch.ones(1))
+        self.extra = nn.ParameterList([nn.Parameter(torch.zeros(1)) for _ in range(weights)])
 
     def forward(self, x):
-        return _SleepInput.apply(x, self.w.detach(), self.tf, self.tb - self.tw) + _SleepWeight.apply(x.detach(), self.w, self.tw)
+        y = _SleepInput.apply(x, self.w.detach(), self.tf, self.tb - self.tw) + _SleepWeight.apply(x.detach(), self.w, self.tw)
+        for w in self.extra:
+            y = y + w
+        return y
 
 
 def mse_loss(y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -113,13 +120,14 @@ class Workload:
     microbatch_size: int = 1
     seq_len: int = 64
     layers: int | None = None
+    weights: int = 0  # sleep: extra parameter tensors per rank (SleepStage's ``weights``)
 
     def units(self, pieces: int) -> list[tuple[str, nn.Module]]:
         """Fresh units for a split into ``pieces`` (sleep: one unit per piece; real: the model's units)."""
         if self.kind == "sleep":
             v = pieces // self.p
             tw = None if self.tw is None else self.tw / v
-            return [(f"sleep{k}", SleepStage(self.tf / v, self.tb / v, tw)) for k in range(pieces)]
+            return [(f"sleep{k}", SleepStage(self.tf / v, self.tb / v, tw, self.weights // v)) for k in range(pieces)]
         from lightning_async.models import SmolLM2, model_config
 
         torch.manual_seed(0)

@@ -16,7 +16,8 @@ nothing (the flushing schedules end each batch empty). Rank 0 takes the wall tim
 
 Configurations: ``sleep:P:M`` (stages whose forward / input-gradient / weight-gradient sleep ``--tf`` / ``--tb -
 --tw`` / ``--tw`` seconds per micro-batch for a stage's share: no CPU used, so a 2-core machine hosts 4 or 8 stages
-and the measurement isolates the schedules and the runtimes' overheads) and ``real:P:M`` (the ``tiny`` SmolLM2
+and the measurement isolates the schedules and the runtimes' overheads; ``--weights N`` gives each rank's stage N more
+parameter tensors, a real stage's count, for what a runtime pays per tensor) and ``real:P:M`` (the ``tiny`` SmolLM2
 with ``2P`` blocks: real compute, which on a machine with fewer cores than stages also measures the contention).
 
 Columns: efficiency = the bubble-free time ``max_s m (tf + tb)`` per batch over the measured one; the timing
@@ -437,7 +438,7 @@ def parse_config(text: str, args) -> tuple[str, Workload, int]:
     kind, p, m = text.split(":")
     p, m = int(p), int(m)
     if kind == "sleep":
-        work = Workload("sleep", p, m, tf=args.tf, tb=args.tb, tw=args.tw)
+        work = Workload("sleep", p, m, tf=args.tf, tb=args.tb, tw=args.tw, weights=args.weights)
         n = max(args.min_batches, math.ceil(args.window_microbatches / m))
     elif kind == "real":
         work = Workload("real", p, m, microbatch_size=args.microbatch_size, seq_len=args.seq_len)
@@ -469,6 +470,8 @@ def main(argv=None) -> None:
     ap.add_argument("--tf", type=float, default=0.020, help="sleep stages: forward seconds per micro-batch")
     ap.add_argument("--tb", type=float, default=0.040, help="sleep stages: backward seconds per micro-batch")
     ap.add_argument("--tw", type=float, default=0.020, help="sleep stages: the weight-gradient part of --tb")
+    ap.add_argument("--weights", type=int, default=0,
+                    help="sleep stages: extra parameter tensors per rank (a real stage's count, e.g. 75)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed batches before the window")
     ap.add_argument("--window-microbatches", type=int, default=64, help="sleep: timed micro-batches (N = this / m)")
     ap.add_argument("--real-window-microbatches", type=int, default=48, help="real: timed micro-batches")

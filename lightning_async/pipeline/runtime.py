@@ -1,7 +1,8 @@
 """The pipeline runtime: executes a schedule's actions for one rank, with weight versions.
 
 One :class:`PipelineRuntime` per process. It owns the rank's weight slots (two under ``2bw``, one
-for the flushing schedules), runs forwards through ``torch.func.functional_call`` so each micro-batch
+for the flushing schedules), runs each forward with its batch's version in place of the module's parameters
+(:class:`~lightning_async.pipeline.weight_swap.WeightSwap`, a precomputed ``functional_call``) so each micro-batch
 uses the slot of its batch's version and autograd accumulates into that slot, and applies updates with
 :func:`~lightning_async.optim.delayed_step.delayed_step`, the same code as the single-device simulation.
 
@@ -28,7 +29,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.func import functional_call
 
 from lightning_async.optim.delayed_step import delayed_step, scheduled_values
 from lightning_async.optim.corrections import GRADIENT, Correction, check_applicable
@@ -42,6 +42,7 @@ from lightning_async.pipeline.sharding import OptimizerShards
 from lightning_async.pipeline.schedules import FORWARD, INPUT_GRAD, WEIGHT_GRAD, ScheduleSpec
 from lightning_async.pipeline.stage import PieceModule
 from lightning_async.pipeline.weight_grad import DeferredWeightGrads, split_linear_backward
+from lightning_async.pipeline.weight_swap import WeightSwap
 
 
 def average_over_replicas(grads: list[torch.Tensor], groups: PipelineGroups) -> None:
@@ -162,6 +163,9 @@ class PipelineRuntime:
         index = {id(p): i for i, p in enumerate(self.params)}
         #: per chunk: (name in the chunk, index in ``params``), every name a weight has in the chunk
         self.chunk_weights = [[(n, index[id(p)]) for n, p in c.named_parameters(remove_duplicate=False)] for c in self.chunks]
+        #: per chunk: its forward with a version's weights in place of its parameters (not under FSDP, whose
+        #: parameters are the sharded storage it gathers from)
+        self.swaps = [WeightSwap(c, dict(w)) for c, w in zip(self.chunks, self.chunk_weights)] if not fsdp else []
         self.tied = [self.names.index(n) for n in tied_parameters]
         self.count_tied_in_norm = count_tied_in_norm
         if self.spec.split_backward:
@@ -245,8 +249,6 @@ class PipelineRuntime:
     # ---- actions --------------------------------------------------------------------------------
     def _forward(self, chunk: int, mb: int, batch: int, x, inputs, targets, training: bool):
         """Run chunk ``chunk`` on ``x`` (the received value, or the micro-batch ``inputs`` on the first piece)."""
-        slot = self._slot(batch) if training else self.newest()
-        weights = {name: slot[i] for name, i in self.chunk_weights[chunk]}
         kwargs = {"recompute": True} if training and self.activation_checkpointing else {}
         first, last = self.pieces[chunk] == 0, self.pieces[chunk] == self.last_piece
         with self.autocast():
@@ -255,8 +257,11 @@ class PipelineRuntime:
             if self.fsdp:
                 self._hold(batch % len(self.slots) if training else self._newest)
                 y = self.chunks[chunk](x, **kwargs)  # FSDP gathers the chunk's weights (of the version held)
-            else:
-                y = functional_call(self.chunks[chunk], weights, (x,), kwargs)
+            elif training:  # autograd accumulates into the batch's version
+                with self.swaps[chunk].using(self._slot(batch)):
+                    y = self.chunks[chunk](x, **kwargs)
+            else:  # the module's parameters show the newest weights
+                y = self.chunks[chunk](x, **kwargs)
             if last:
                 y = self.loss_fn(y, targets)
         if training:
