@@ -28,7 +28,7 @@ import warnings
 from pathlib import Path
 
 import yaml
-from lightning.pytorch import LightningModule
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
@@ -225,6 +225,13 @@ class AsyncCLI(LightningCLI):
                 raise cause
             raise CLIError(f"{class_type.__name__}: {cause}" if class_type else str(cause)) from cause
 
+    def instantiate_trainer(self, **kwargs) -> Trainer:
+        """Lightning's, after noting the callbacks the user configured: Lightning extends that very list with the
+        config sections' callbacks and its own defaults (the progress bar among them)."""
+        configured = self._get(self.config_init, "trainer", default={}).get("callbacks")
+        self.user_callbacks = list(configured) if isinstance(configured, list) else [configured] if configured else []
+        return super().instantiate_trainer(**kwargs)
+
     def after_instantiate_classes(self) -> None:
         warn_deprecated_ef_section(self.config_init.get(self.subcommand, {}).get(DEPRECATED_EF_SECTION))
         check_sequence_length(self.model, self.datamodule)
@@ -239,9 +246,8 @@ class AsyncCLI(LightningCLI):
                 refuse_pipeline_checkpoint(self.config_init.get(self.subcommand, {}).get("ckpt_path"))
         except ValueError as err:
             raise CLIError(str(err)) from err
-        configured = self.config_init.get(self.subcommand, {}).get("trainer", {}).get("callbacks") or []
         for progress in [cb for cb in self.trainer.callbacks if isinstance(cb, StepProgress)]:
-            replace_default_bar(self.trainer, progress, configured if isinstance(configured, list) else [configured])
+            replace_default_bar(self.trainer, progress, self.user_callbacks)
         telemetry = [cb for cb in self.trainer.callbacks if isinstance(cb, RunTelemetry) and cb.label_log_dir]
         if telemetry:  # runs/quickstart/2bw-adamw/version_0: TensorBoard's run list says what each run is
             label_log_dirs(self.trainer, self.model)

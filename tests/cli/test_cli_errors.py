@@ -364,3 +364,18 @@ def test_the_old_error_feedback_section_still_works_and_names_its_new_spelling()
         warnings.simplefilter("error")
         warn_deprecated_ef_section(ErrorFeedback(0.0))  # the section's default: off, nothing to say
         warn_deprecated_ef_section(None)
+
+
+def test_a_recipe_with_callbacks_gets_the_progress_lines_and_a_bar_of_the_users_own_stays(tmp_path, capsys, small_data):
+    """Lightning extends the configured callback list with the sections' callbacks and its default bar; before, that
+    default bar (the HF recipes configure a checkpoint callback; here a learning-rate monitor) was taken for the user's own and kept, so the run
+    showed Lightning's bar ("Epoch 0/-2") instead of the lines."""
+    checkpoint = "lightning.pytorch.callbacks.LearningRateMonitor"
+    rc, output = run_main(capsys, *fit(tmp_path, small_data, "--trainer.callbacks+", checkpoint,
+                                       "--trainer.enable_progress_bar", "true"))
+    assert rc == 0, output[-2000:]
+    assert "training 2 steps from step 0" in output and "Epoch 0" not in output
+    rc, output = run_main(capsys, *fit(tmp_path, small_data, "--trainer.callbacks+", checkpoint, "--trainer.callbacks+",
+                                       "lightning.pytorch.callbacks.TQDMProgressBar", "--trainer.enable_progress_bar", "true"))
+    assert rc == 0, output[-2000:]
+    assert "training 2 steps" not in output and "Epoch 0" in output
