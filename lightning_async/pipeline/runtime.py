@@ -193,6 +193,7 @@ class PipelineRuntime:
             self.slots = [[p.detach().clone().requires_grad_(True) for p in self.params] for _ in range(self.spec.weight_versions)]
             for p, t in zip(self.params, self.slots[-1]):
                 p.data = t.data  # the module's parameters always show the newest weights
+            self._newest = len(self.slots) - 1  # the slot they show
         self.batches_done = 0  # training calls finished
         self.fresh = True  # pipeline empty: the next call starts with warmup
         self.batch_shape: tuple | None = None  # signature (structure, dtypes, shapes) of the last batch's inputs
@@ -235,9 +236,8 @@ class PipelineRuntime:
         return self.fsdp and len(self.slots) > 1
 
     def newest(self) -> list[torch.Tensor]:
-        if self.fsdp:
-            return self.slots[self._newest]
-        return [p.data for p in self.params]
+        """The newest weights: the slot the parameters show (FSDP under 2BW: the newest sharded copy)."""
+        return self.slots[self._newest]
 
     @torch.no_grad()
     def _hold(self, slot: int) -> None:
@@ -403,7 +403,8 @@ class PipelineRuntime:
         if versioned:
             with torch.no_grad():
                 torch._foreach_copy_([local(t) for t in out], [local(p) for p in self.params])
-            self._newest = self._held = batch % len(self.slots)
+            self._held = batch % len(self.slots)
+        self._newest = batch % len(self.slots)  # (the slot ``out``; the parameters show it now)
         if self.shards is not None:
             self.shards.start(batch, out)  # waited for at the start of the call that reads the slot
 
@@ -654,7 +655,8 @@ class PipelineRuntime:
             self._newest, self._held = state["newest_slot"], None
             self._hold(self._newest)
         else:
-            for p, t in zip(self.params, self.slots[state["newest_slot"]]):
+            self._newest = state["newest_slot"]
+            for p, t in zip(self.params, self.slots[self._newest]):
                 p.data = t.data
         saved = state.get("correction", state.get("error_feedback"))  # (the key of checkpoints before 0.2)
         if self.shards is not None and saved is not None:  # keep this replica's share of the buffers
