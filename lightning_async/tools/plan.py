@@ -11,8 +11,8 @@ the older 1F1B-against-2BW table, now removed) is still accepted and changes not
 Stage costs are either given (``--forward-ms/--backward-ms`` per stage and micro-batch, ``--comm-ms`` per hop) or
 measured on the current device from a model config (``--model smollm2-135m --seq-len 2048``): one decoder block,
 the embedding and the LM head (with the loss) are timed forward and backward, the layers are split evenly over
-the stages (the first stage also holds the embedding, the last the head), and parameter and activation bytes are
-counted. With ``--tflops`` (and with no option at all: SmolLM2-135M, sequence 2048, bf16, 100 TFLOP/s) the
+the stages (the first stage also holds the embedding, the last the head; for a schedule with two chunks per stage,
+over its pieces, so ZB-V's rank 0 holds both), and parameter and activation bytes are counted. With ``--tflops`` (and with no option at all: SmolLM2-135M, sequence 2048, bf16, 100 TFLOP/s) the
 stage costs are nominal instead: FLOP counts at that sustained rate, parameters counted exactly, activations
 estimated, nothing measured.
 
@@ -40,8 +40,8 @@ from lightning_async.tools.stage_costs import (
     NOMINAL_DTYPE,
     NOMINAL_MODEL,
     NOMINAL_TFLOPS,
+    map_costs,
     nominal_model,
-    stage_costs_from_measurement,
 )
 
 DEFAULT_STAGES = (4, 8, 16, 32, 64)
@@ -230,7 +230,7 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
         print(f"  {args.split} layer split; hop latency {fmt_time(comm_s)}; optimizer states {args.optimizer_states:g} x fp32 per parameter")
 
         def costs_for_p(p):
-            costs = stage_costs_from_measurement(meas, p, args.optimizer_states, args.split)
+            costs = map_costs(meas, p, args.optimizer_states, args.split)
             stage_costs[str(p)] = costs
             return costs
 

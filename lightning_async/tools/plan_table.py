@@ -25,6 +25,23 @@ COMPARED = schedules.MAP_SYNC_SCHEDULES  # (from the schedule registry)
 ASYNC = schedules.DELAYED_SCHEDULES
 
 
+def schedule_costs(s_: schedules.ScheduleSpec, p: int, costs: dict) -> dict:
+    """The costs the timing and memory models take for ``s_``: ``costs`` itself (per rank), or, for a schedule with
+    several chunks per rank when ``costs["pieces"][chunks]`` gives the same costs per piece (the model's units split
+    over ``p x chunks`` pieces, the embedding on the first and the LM head on the last), times and activations per
+    piece and each rank's parameter and optimizer bytes summed over the pieces it holds: the V schedule puts the
+    first and the last piece, embedding and head, on rank 0, not the head on rank ``p - 1``."""
+    pieces = costs.get("pieces", {}).get(s_.chunks) if s_.chunks > 1 else None
+    if pieces is None:
+        return costs
+
+    def per_rank(values: list) -> list:
+        return [sum(v for k, v in enumerate(values) if s_.holder(k, p)[0] == r) for r in range(p)]
+
+    return {**{k: pieces[k] for k in ("forward_s", "backward_s", "activation_bytes", "weight_grad_bytes") if k in pieces},
+            **{k: per_rank(pieces[k]) for k in ("param_bytes", "optimizer_bytes") if k in pieces}}
+
+
 def compare_row(p: int, m: int, costs: dict, comm_s: float, update_s: float, num_batches: int,
                 weight_fraction: float, budget_bytes: float | None, worth: float, data_parallel: int = 1,
                 shard_optimizer: bool = False, fsdp: bool = False) -> dict:
@@ -32,7 +49,6 @@ def compare_row(p: int, m: int, costs: dict, comm_s: float, update_s: float, num
     replicas, the optimizer state sharded over them with ``shard_optimizer``, FSDP inside each stage with ``fsdp``:
     the schedules it refuses are skipped), the best synchronous schedule (that
     fits ``budget_bytes``), 2BW's speed-up over it and a recommendation."""
-    weight = [b * weight_fraction for b in costs["backward_s"]]
     row = {"p": p, "m": m, "dp": data_parallel, "schedules": {}}
     sharded = shard_optimizer and data_parallel > 1
     fsdp = fsdp and data_parallel > 1
@@ -45,12 +61,14 @@ def compare_row(p: int, m: int, costs: dict, comm_s: float, update_s: float, num
         except ValueError as err:
             row["schedules"][name] = {"skipped": str(err)}
             continue
-        r = time_schedule(s_, p, m, num_batches, costs["forward_s"], costs["backward_s"], comm_s, update_s, weight=weight)
+        c = schedule_costs(s_, p, costs)
+        weight = [b * weight_fraction for b in c["backward_s"]]
+        r = time_schedule(s_, p, m, num_batches, c["forward_s"], c["backward_s"], comm_s, update_s, weight=weight)
         entry = {"per_batch_s": r.per_batch_time, "bubble": r.bubble, "peak_inflight": max(r.peak_inflight)}
-        if costs.get("param_bytes") is not None:
-            mem = schedule_memory(s_, p, m, costs["param_bytes"], costs["optimizer_bytes"], costs["activation_bytes"],
+        if c.get("param_bytes") is not None:
+            mem = schedule_memory(s_, p, m, c["param_bytes"], c["optimizer_bytes"], c["activation_bytes"],
                                   data_parallel_size=data_parallel, shard_optimizer=sharded,
-                                  weight_grad_bytes=costs.get("weight_grad_bytes"), fsdp=fsdp)
+                                  weight_grad_bytes=c.get("weight_grad_bytes"), fsdp=fsdp)
             entry["peak_bytes"] = max(x["total"] for x in mem)
             entry["fits"] = budget_bytes is None or entry["peak_bytes"] <= budget_bytes
         row["schedules"][name] = entry

@@ -3,10 +3,13 @@
 A model's unit costs (one embedding, one decoder block, the LM head) come either from a measurement
 (:func:`lightning_async.pipeline.measure.measure_model`) or from :func:`nominal_model` (FLOP counts, nothing
 run), in the same format; :func:`stage_costs_from_measurement` places the layers on ``p`` stages
-(:func:`split_layers` or :func:`balanced_layers`) and adds the costs up per stage.
+(:func:`split_layers` or :func:`balanced_layers`) and adds the costs up per stage; :func:`map_costs` adds the same
+over the pieces of the schedules with two chunks per stage.
 """
 
 from __future__ import annotations
+
+from lightning_async.pipeline.schedules import DELAYED_SCHEDULES, MAP_SYNC_SCHEDULES, spec
 
 #: the model, sustained rate and dtype of the nominal plan (``lightning-async plan`` with no cost option)
 NOMINAL_MODEL, NOMINAL_TFLOPS, NOMINAL_DTYPE = "smollm2-135m", 100.0, "bfloat16"
@@ -132,3 +135,14 @@ def stage_costs_from_measurement(meas: dict, p: int, optimizer_states: float, sp
             out[key].append(sum(u[unit][key] * k for unit, k in parts))
         out["optimizer_bytes"].append(int(optimizer_states * 4 * out["params"][-1]))
     return out
+
+
+def map_costs(meas: dict, p: int, optimizer_states: float, split: str = "even") -> dict:
+    """:func:`stage_costs_from_measurement` for ``p`` stages, with ``"pieces"``: for every chunk count ``v > 1`` of the
+    map's schedules (interleaved, ZB-V), the same costs over the ``v x p`` pieces (embedding on the first, LM head on
+    the last), which :func:`~lightning_async.tools.plan_table.schedule_costs` places on the ranks as the schedule
+    does."""
+    costs = stage_costs_from_measurement(meas, p, optimizer_states, split)
+    chunked = {spec(name).chunks for name in (*MAP_SYNC_SCHEDULES, *DELAYED_SCHEDULES)} - {1}
+    costs["pieces"] = {v: stage_costs_from_measurement(meas, v * p, optimizer_states, split) for v in sorted(chunked)}
+    return costs

@@ -154,3 +154,24 @@ def test_measured_zbh1_peak_agrees_with_the_model(measured_ranks):
     assert peaks["zbh1"][0] == peaks["1f1b"][0]  # rank 0 runs each W right after its I
     assert peaks["zbh1"][-1] / peaks["1f1b"][-1] == pytest.approx(1 + r / a)
     assert peaks["zbh1"][-1] < 2 * peaks["1f1b"][-1]
+
+
+def test_the_map_places_zbvs_embedding_and_head_on_rank_0():
+    """ZB-V's V puts the first and the last piece on rank 0: the embedding and the LM head. The map spread the
+    head's cost over rank p - 1's two pieces (the per-stage costs of a one-chunk schedule) and put ZB-V at 20.31
+    GiB on this model; over its pieces it is 10.72 GiB. Schedules with one chunk per stage read the per-stage costs
+    as before."""
+    from lightning_async.tools.plan_table import compare_row, schedule_costs
+    from lightning_async.tools.stage_costs import map_costs, nominal_model
+
+    meas = nominal_model("smollm2-360m", 2048, 4, "bfloat16", 400.0)
+    costs = map_costs(meas, 4, 2.0)
+    units = meas["units"]
+    v = schedule_costs(spec("zbv"), 4, costs)
+    pieces = costs["pieces"][2]
+    assert v["param_bytes"][0] == pieces["param_bytes"][0] + pieces["param_bytes"][7]
+    assert v["param_bytes"][0] - v["param_bytes"][3] == units["embed"]["param_bytes"] + units["head"]["param_bytes"]
+    assert v["forward_s"] == pieces["forward_s"] and len(v["forward_s"]) == 8
+    assert schedule_costs(spec("1f1b"), 4, costs) is costs and schedule_costs(spec("zbv"), 4, {**costs, "pieces": {}}) is not v
+    row = compare_row(4, 4, costs, 0.0, 0.0, 5, 0.5, None, 1.05)["schedules"]
+    assert round(row["zbv"]["peak_bytes"] / GIB, 2) == 10.72 and round(row["1f1b"]["peak_bytes"] / GIB, 2) == 11.25
