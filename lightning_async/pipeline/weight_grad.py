@@ -96,6 +96,9 @@ class _Linear(torch.autograd.Function):
     def forward(ctx, x, weight, bias):
         y = nn.functional.linear(x, weight, bias)  # (under autocast: in its dtype, as nn.Linear)
         ctx.save_for_backward(x, weight)
+        # The weight itself (a leaf), where a deferred gradient accumulates: the saved one, once unpacked, may be a
+        # copy (torch.autograd.graph.save_on_cpu and any saved_tensors_hooks), and its .grad would be lost.
+        ctx.weight = weight
         ctx.bias_dtype = None if bias is None else bias.dtype
         return y
 
@@ -107,8 +110,8 @@ class _Linear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             collection = collecting_now()
             if collection is not None:
-                x, dy_ = x.detach(), dy.detach()
-                collection.defer(lambda: accumulate_grad(weight, _linear_weight_grad(weight, x, dy_)), x, dy_)
+                x, dy_, target = x.detach(), dy.detach(), ctx.weight
+                collection.defer(lambda: accumulate_grad(target, _linear_weight_grad(target, x, dy_)), x, dy_)
             else:
                 dw = _linear_weight_grad(weight, x, dy)
         db = dy.reshape(-1, dy.shape[-1]).sum(0).to(ctx.bias_dtype) if ctx.bias_dtype is not None and ctx.needs_input_grad[2] else None

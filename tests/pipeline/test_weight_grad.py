@@ -96,3 +96,18 @@ def test_subclasses_are_left_alone(bias):
     model = nn.Sequential(Custom(2, 2, bias=bias), nn.Linear(2, 2))
     assert split_linear_backward(model) == 1
     assert type(model[0]) is Custom and type(model[1]) is SplitBackwardLinear
+
+
+def test_a_saved_tensors_hook_that_copies_keeps_the_deferred_gradients():
+    """Under ``torch.autograd.graph.save_on_cpu`` (any hook whose unpacked tensors are copies) the deferred weight
+    gradients land in the layers' own weights; they went into the unpacked copy of each weight, and were lost."""
+    plain, split = _model(), _model()
+    split_linear_backward(split)
+    x, dy = torch.randn(2, 4, 6), torch.randn(2, 4, 3)
+    plain(x).backward(dy)
+    deferred = DeferredWeightGrads()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t.clone()), deferred.collecting():
+        split(x).backward(dy)
+    deferred.compute()
+    got, want = _grads(split), _grads(plain)
+    assert max((got[n] - want[n]).abs().max().item() for n in want) < 1e-6
