@@ -214,4 +214,6 @@ def measure_model(
         "units": units,
         "boundary_bytes": b * t * h * elem,
         "element_bytes": elem,
+        # the embedding's weight, which the head also counts when tied: one tensor on a rank holding both
+        "tied_params": sum(p.numel() for p in model.embed.parameters()) if cfg.tie_embeddings else 0,
     }

@@ -30,16 +30,26 @@ def schedule_costs(s_: schedules.ScheduleSpec, p: int, costs: dict) -> dict:
     several chunks per rank when ``costs["pieces"][chunks]`` gives the same costs per piece (the model's units split
     over ``p x chunks`` pieces, the embedding on the first and the LM head on the last), times and activations per
     piece and each rank's parameter and optimizer bytes summed over the pieces it holds: the V schedule puts the
-    first and the last piece, embedding and head, on rank 0, not the head on rank ``p - 1``."""
+    first and the last piece, embedding and head, on rank 0, not the head on rank ``p - 1``. Raises ``ValueError``
+    where the model's layers do not fill the pieces."""
     pieces = costs.get("pieces", {}).get(s_.chunks) if s_.chunks > 1 else None
     if pieces is None:
         return costs
+    if "skipped" in pieces:
+        raise ValueError(pieces["skipped"])
 
-    def per_rank(values: list) -> list:
-        return [sum(v for k, v in enumerate(values) if s_.holder(k, p)[0] == r) for r in range(p)]
+    last = len(pieces["forward_s"]) - 1
+    both = s_.holder(0, p)[0] if s_.holder(0, p)[0] == s_.holder(last, p)[0] else None  # a rank with embedding and head
+    tied = costs.get("tied_bytes", {})
+
+    def per_rank(key: str) -> list:
+        summed = [sum(v for k, v in enumerate(pieces[key]) if s_.holder(k, p)[0] == r) for r in range(p)]
+        if both is not None:  # the tied weight is one tensor there, counted by both units
+            summed[both] -= tied.get(key, 0)
+        return summed
 
     return {**{k: pieces[k] for k in ("forward_s", "backward_s", "activation_bytes", "weight_grad_bytes") if k in pieces},
-            **{k: per_rank(pieces[k]) for k in ("param_bytes", "optimizer_bytes") if k in pieces}}
+            **{k: per_rank(k) for k in ("param_bytes", "optimizer_bytes") if k in pieces}}
 
 
 def compare_row(p: int, m: int, costs: dict, comm_s: float, update_s: float, num_batches: int,
@@ -58,10 +68,10 @@ def compare_row(p: int, m: int, costs: dict, comm_s: float, update_s: float, num
             s_.validate(p, m)
             if fsdp:
                 check_fsdp_applicable(s_, data_parallel)
+            c = schedule_costs(s_, p, costs)
         except ValueError as err:
             row["schedules"][name] = {"skipped": str(err)}
             continue
-        c = schedule_costs(s_, p, costs)
         weight = [b * weight_fraction for b in c["backward_s"]]
         r = time_schedule(s_, p, m, num_batches, c["forward_s"], c["backward_s"], comm_s, update_s, weight=weight)
         entry = {"per_batch_s": r.per_batch_time, "bubble": r.bubble, "peak_inflight": max(r.peak_inflight)}

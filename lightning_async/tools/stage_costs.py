@@ -77,6 +77,8 @@ def nominal_model(
         "micro_batch_size": micro_batch_size, "device": "nominal", "device_name": f"nominal {tflops:g} TFLOP/s",
         "tflops": tflops, "dtype": dtype, "head_tokens": seq_len, "units": units,
         "boundary_bytes": tokens * h * elem, "element_bytes": elem,
+        # the embedding's weight, which the head also counts when tied: one tensor on a rank holding both
+        "tied_params": params["embed"] if cfg.tie_embeddings else 0,
     }
 
 
@@ -141,8 +143,16 @@ def map_costs(meas: dict, p: int, optimizer_states: float, split: str = "even") 
     """:func:`stage_costs_from_measurement` for ``p`` stages, with ``"pieces"``: for every chunk count ``v > 1`` of the
     map's schedules (interleaved, ZB-V), the same costs over the ``v x p`` pieces (embedding on the first, LM head on
     the last), which :func:`~lightning_async.tools.plan_table.schedule_costs` places on the ranks as the schedule
-    does."""
+    does; ``{"skipped": why}`` where the layers do not fill that many pieces. ``"tied_bytes"``: the parameter and
+    optimizer bytes of the embedding weight the LM head shares (counted by both units; held once by a rank that holds
+    both, ZB-V's rank 0)."""
     costs = stage_costs_from_measurement(meas, p, optimizer_states, split)
-    chunked = {spec(name).chunks for name in (*MAP_SYNC_SCHEDULES, *DELAYED_SCHEDULES)} - {1}
-    costs["pieces"] = {v: stage_costs_from_measurement(meas, v * p, optimizer_states, split) for v in sorted(chunked)}
+    tied = meas.get("tied_params", 0)
+    costs["tied_bytes"] = {"param_bytes": tied * meas["element_bytes"], "optimizer_bytes": int(optimizer_states * 4 * tied)}
+    costs["pieces"] = {}
+    for v in sorted({spec(name).chunks for name in (*MAP_SYNC_SCHEDULES, *DELAYED_SCHEDULES)} - {1}):
+        try:
+            costs["pieces"][v] = stage_costs_from_measurement(meas, v * p, optimizer_states, split)
+        except ValueError as err:
+            costs["pieces"][v] = {"skipped": f"{v} chunks per stage are {v * p} pieces: {err}"}
     return costs
