@@ -6,8 +6,8 @@ Recipes compose through repeated ``--config`` (later files win); a value that is
 a shipped recipe (``--config quickstart --config optimizers/muon``, :mod:`lightning_async.recipes_index`).
 The delay and its correction are config sections of their own (``delay:``, the cause: ``DelaySimulation``;
 ``correction:``, the remedy: ``DelayCorrection``, Error Feedback being ``method: ef``), so mode and correction
-recipes never have to replace the trainer's callback list. ``error_feedback:`` (``ErrorFeedback``), the older
-spelling of ``correction: {method: ef}``, still works for one release and says so.
+recipes never have to replace the trainer's callback list. ``error_feedback:``, the older spelling of
+``correction: {method: ef}``, still works for one release and says so (:mod:`lightning_async.deprecated_cli`).
 
 The ``model`` section takes any LightningModule (``class_path`` + ``init_args``); without a
 ``class_path`` it is :class:`~lightning_async.lm.CausalLM`, so ``model: {optimizer: muon}`` and
@@ -32,11 +32,12 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lightning_async import compat
+from lightning_async import compat, deprecated_cli
+from lightning_async.deprecated_cli import ErrorFeedbackSection, translate_error_feedback_section
 from lightning_async.exit_codes import EXIT_BAD_INPUT, EXIT_SIGTERM
 from lightning_async.strategies import PipelineStrategy  # (importing registers async_pipe / sync_pipe)
 from lightning_async.callbacks import (
-    DelayCorrection, DelaySimulation, DivergenceGuard, ErrorFeedback, RunTelemetry, StepProgress,
+    DelayCorrection, DelaySimulation, DivergenceGuard, RunTelemetry, StepProgress,
 )
 from lightning_async.callbacks.progress import replace_default_bar
 from lightning_async.callbacks.delay import check_corrections, check_delay_profiles
@@ -159,30 +160,12 @@ class ConstructorErrors:
         return None, err
 
 
-DEPRECATED_EF_SECTION = "error_feedback"
-
-
-def warn_deprecated_ef_section(callback) -> None:
-    """The ``error_feedback:`` section is ``correction: {method: ef}`` spelled the old way: it still works (for one
-    release), with a warning that names the new spelling."""
-    if callback is None or not callback.active:
-        return
-    options = "" if callback.extrapolate_weight_decay else ", options: {extrapolate_weight_decay: false}"
-    warnings.warn(
-        f"The {DEPRECATED_EF_SECTION}: section (--{DEPRECATED_EF_SECTION}.*) is deprecated and goes in the next "
-        f"release: write correction: {{method: ef, strength: {callback.strength:g}{options}}} (--correction.method ef "
-        f"--correction.strength {callback.strength:g}), the one section for every staleness correction.",
-        FutureWarning, stacklevel=2,
-    )
-
-
 # ---- the CLI --------------------------------------------------------------------------------------
 class AsyncCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_lightning_class_args(DelaySimulation, "delay")
         parser.set_defaults({"delay.delay": 0})
-        parser.add_lightning_class_args(ErrorFeedback, DEPRECATED_EF_SECTION)  # (deprecated: correction.method ef)
-        parser.set_defaults({f"{DEPRECATED_EF_SECTION}.strength": 0.0})
+        parser.add_class_arguments(ErrorFeedbackSection, deprecated_cli.SECTION, instantiate=False)  # (read into correction:)
         parser.add_lightning_class_args(DelayCorrection, "correction")  # recipes/corrections/<method>.yaml
         parser.set_defaults({"correction.method": "none"})
         parser.add_lightning_class_args(RunTelemetry, "telemetry")
@@ -203,8 +186,11 @@ class AsyncCLI(LightningCLI):
         self.config = parser.parse_args(args)
         try:  # LIGHTNING_ASYNC_MAX_STEPS=N: every run trains at most N steps (the docs test; run_limits.py)
             shorten_cli_config(self.config)
+            message = translate_error_feedback_section(self.config.get(self.config.get("subcommand")) or self.config)
         except ValueError as err:
             raise CLIError(str(err)) from err
+        if message:
+            warnings.warn(message, FutureWarning, stacklevel=2)
 
     def _add_instantiators(self) -> None:
         """LightningCLI's instantiators (model and data: they save the hyperparameters) and a default one
@@ -233,7 +219,6 @@ class AsyncCLI(LightningCLI):
         return super().instantiate_trainer(**kwargs)
 
     def after_instantiate_classes(self) -> None:
-        warn_deprecated_ef_section(self.config_init.get(self.subcommand, {}).get(DEPRECATED_EF_SECTION))
         check_sequence_length(self.model, self.datamodule)
         pipeline = isinstance(self.trainer.strategy, PipelineStrategy)
         try:  # before any data is prepared or any rank starts

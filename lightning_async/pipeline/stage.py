@@ -28,8 +28,9 @@ class PieceModule(nn.Module):
 
     ``forward(value, context, recompute)``: each unit gets the previous unit's value spread as arguments,
     plus ``context=`` if its forward takes one and a context is given. With ``recompute`` each unit's
-    forward is checkpointed (recomputed in the backward) with the weights it ran with: under
-    ``functional_call`` those are the weight slot swapped in, not the module's own (newest) parameters.
+    forward is checkpointed (recomputed in the backward) with the weights it ran with: under the runtime's
+    :class:`~lightning_async.pipeline.weight_swap.WeightSwap` those are the version swapped in, not the module's own
+    (newest) parameters.
     """
 
     def __init__(self, units: Sequence[tuple[str, nn.Module]]) -> None:
@@ -42,7 +43,7 @@ class PieceModule(nn.Module):
         for name, unit, wants_context in zip(self.unit_names, self.units, self.takes_context):
             unit_context = context if wants_context else NO_CONTEXT
             if recompute:
-                weights = dict(unit.named_parameters())  # the slot functional_call put in, bound for the recompute
+                weights = dict(unit.named_parameters())  # the version swapped in, bound for the recompute
                 value = checkpoint(_call_with, unit, weights, value, unit_context, use_reentrant=False)
             elif unit_context is NO_CONTEXT and isinstance(value, torch.Tensor):
                 value = unit(value)  # the single-tensor path, as before

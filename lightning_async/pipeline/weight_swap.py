@@ -38,9 +38,9 @@ class WeightSwap:
     def using(self, weights: Sequence[torch.Tensor]) -> Iterator[None]:
         """Inside the block the module computes with ``weights`` (by position) instead of its parameters."""
         originals = [(table, attribute, table[attribute]) for table, attribute, _ in self._entries]
-        for table, attribute, position in self._entries:
-            table[attribute] = weights[position]
         try:
+            for table, attribute, position in self._entries:
+                table[attribute] = weights[position]
             yield
         finally:
             for table, attribute, original in originals:

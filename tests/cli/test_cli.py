@@ -141,7 +141,7 @@ BAD_INPUTS = {
     "sgdx": (["--model.optimizer", "sgdx"], "Unknown optimizer 'sgdx'"),
     "nowhere": (["--data.source", "nowhere"], "nowhere"),
     "ef-without-delay": (["--correction.method", "ef"], "DelayCorrection('ef') needs a delay source"),
-    "ef-without-delay-old-spelling": (["--error_feedback.strength", "1.0"], "ErrorFeedback needs a delay source"),
+    "ef-without-delay-old-spelling": (["--error_feedback.strength", "1.0"], "DelayCorrection('ef') needs a delay source"),
     "unknown-key": (["--trainer.no_such_key", "1"], "no_such_key"),
 }
 

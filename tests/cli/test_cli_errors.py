@@ -353,17 +353,47 @@ def test_a_diverging_fit_stops_by_default_and_is_marked(tmp_path, capsys, small_
     assert (marker.parent / "DONE").exists() != stop  # a stopped run never counts as finished
 
 
-def test_the_old_error_feedback_section_still_works_and_names_its_new_spelling():
-    """``error_feedback:`` is ``correction: {method: ef}`` spelled the old way (deprecated for one release)."""
-    from lightning_async.callbacks import ErrorFeedback
-    from lightning_async.training_cli import warn_deprecated_ef_section
+@pytest.mark.parametrize(
+    "section, correction, expected, spelled",
+    [
+        ({"strength": 0.5}, ("none", None, {}), ("ef", 0.5, {}), "correction: {method: ef, strength: 0.5}"),
+        ({"strength": 0.0}, ("ef", 1.0, {}), ("none", None, {}), "correction: {method: none}"),
+        ({"extrapolate_weight_decay": False}, ("ef", 1.0, {"k_step": False}),
+         ("ef", 1.0, {"k_step": False, "extrapolate_weight_decay": False}),
+         "correction: {method: ef, strength: 1, options: {k_step: false, extrapolate_weight_decay: false}}"),
+        ({"extrapolate_weight_decay": False}, ("none", None, {}), ("none", None, {}), "correction: {method: none}"),
+        ({"strength": 0.0}, ("nesterov", 1.0, {"momentum": 0.9}), ("nesterov", 1.0, {"momentum": 0.9}),
+         "nothing: Error Feedback is off and the correction is 'nesterov'"),
+    ],
+    ids=["on", "off-over-a-recipes-ef", "keeps-the-recipes-strength", "no-ef-anywhere", "beside-another"],
+)
+def test_the_old_error_feedback_section_is_read_into_the_correction_section(section, correction, expected, spelled):
+    """``error_feedback:`` means what it did when the recipes set EF through it (deprecated for one release)."""
+    from jsonargparse import Namespace
 
-    with pytest.warns(FutureWarning, match=r"correction: \{method: ef, strength: 0.5, options: \{extrapolate_weight_decay: false\}\}"):
-        warn_deprecated_ef_section(ErrorFeedback(0.5, extrapolate_weight_decay=False))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        warn_deprecated_ef_section(ErrorFeedback(0.0))  # the section's default: off, nothing to say
-        warn_deprecated_ef_section(None)
+    from lightning_async.deprecated_cli import translate_error_feedback_section
+
+    method, strength, options = correction
+    config = Namespace(error_feedback=Namespace(strength=None, extrapolate_weight_decay=None, **{}),
+                       correction=Namespace(method=method, strength=strength, options=options))
+    for key, value in section.items():
+        setattr(config.error_feedback, key, value)
+    message = translate_error_feedback_section(config)
+    assert (config.correction.method, config.correction.strength, config.correction.options) == expected
+    assert f"write {spelled}" in message and "deprecated" in message
+
+
+def test_the_old_section_not_given_changes_nothing_and_beside_another_correction_is_refused():
+    from jsonargparse import Namespace
+
+    from lightning_async.deprecated_cli import translate_error_feedback_section
+
+    config = Namespace(error_feedback=Namespace(strength=None, extrapolate_weight_decay=None),
+                       correction=Namespace(method="ef", strength=1.0, options={}))
+    assert translate_error_feedback_section(config) is None and config.correction.method == "ef"
+    config.correction.method, config.error_feedback.strength = "nesterov", 1.0
+    with pytest.raises(ValueError, match="Two staleness corrections are switched on"):
+        translate_error_feedback_section(config)
 
 
 def test_a_recipe_with_callbacks_gets_the_progress_lines_and_a_bar_of_the_users_own_stays(tmp_path, capsys, small_data):

@@ -111,3 +111,22 @@ def test_a_saved_tensors_hook_that_copies_keeps_the_deferred_gradients():
     deferred.compute()
     got, want = _grads(split), _grads(plain)
     assert max((got[n] - want[n]).abs().max().item() for n in want) < 1e-6
+
+
+def test_activation_checkpointing_keeps_the_deferred_gradients():
+    """A piece recomputed in the backward (``activation_checkpointing``) under a split backward: the non-reentrant
+    checkpoint unpacks the weight as another tensor than the layer's own, so the deferred gradients, accumulated into
+    the unpacked one, were lost."""
+    from lightning_async.pipeline.stage import PieceModule
+
+    plain, split = _model(), _model()
+    split_linear_backward(split)
+    piece = PieceModule([(str(i), layer) for i, layer in enumerate(split)])
+    x, dy = torch.randn(2, 4, 6), torch.randn(2, 4, 3)
+    plain(x).backward(dy)
+    deferred = DeferredWeightGrads()
+    with deferred.collecting():
+        piece(x, recompute=True).backward(dy)
+    deferred.compute()
+    got, want = _grads(split), _grads(plain)
+    assert max((got[n] - want[n]).abs().max().item() for n in want) < 1e-6

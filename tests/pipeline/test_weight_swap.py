@@ -69,3 +69,13 @@ def test_every_name_must_have_a_position():
     del index["head.weight"]
     with pytest.raises(KeyError):
         WeightSwap(net, index)
+
+
+def test_the_parameters_come_back_when_a_weight_list_is_too_short():
+    net = TiedNet()
+    _, index, slots = versions(net, 1)
+    own = {n: id(p) for n, p in net.named_parameters(remove_duplicate=False)}
+    with pytest.raises(IndexError):
+        with WeightSwap(net, index).using(slots[0][:1]):
+            pass
+    assert {n: id(p) for n, p in net.named_parameters(remove_duplicate=False)} == own
