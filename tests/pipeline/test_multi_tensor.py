@@ -205,6 +205,7 @@ SCENARIOS = {
         ("plain", "adamw", 1.0, 1.0, False),
         ("masked", "adamw", 1.0, 1.0, True),  # the same update with activation checkpointing (compared below)
         ("masked", "adamw", 1.0, 1.0, False),
+        ("masked", "adamw", 1.0, 1.0, True, "2bw-split"),  # recomputed under a split backward (its deferred dW)
     ],
     3: [
         ("masked", "adamw", 1.0, 1.0, False),
@@ -220,9 +221,15 @@ CHECKPOINTING_PAIRS = {2: (4, 5), 3: (2, 4)}
 
 def _all_scenarios(world: int) -> list:
     return [
-        pipeline_run(world, "2bw", opt, ef, STEPS, clip, m=world, drain_at=(2,), workload=WORKLOADS[name], activation_checkpointing=ckpt)
-        for name, opt, ef, clip, ckpt in SCENARIOS[world]
+        pipeline_run(world, schedule, opt, ef, STEPS, clip, m=world, drain_at=(2,), workload=WORKLOADS[name],
+                     activation_checkpointing=ckpt)
+        for name, opt, ef, clip, ckpt, schedule in map(_with_schedule, SCENARIOS[world])
     ]
+
+
+def _with_schedule(scenario: tuple) -> tuple:
+    """A scenario with its schedule (``2bw`` unless it names one)."""
+    return scenario if len(scenario) == 6 else (*scenario, "2bw")
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2-stages", "3-stages"])
@@ -237,12 +244,12 @@ def _merged(per_rank: list, index: int) -> dict[str, torch.Tensor]:
 
 def test_multi_tensor_pipeline_equals_single_device_rule(oracle_results):
     world, per_rank = oracle_results
-    for index, (name, opt, ef, clip, ckpt) in enumerate(SCENARIOS[world]):
+    for index, (name, opt, ef, clip, ckpt, schedule) in enumerate(map(_with_schedule, SCENARIOS[world])):
         reference = reference_run(opt, 1, ef, STEPS, clip, microbatches=world, workload=WORKLOADS[name])
         weights = _merged(per_rank, index)
         assert set(weights) == set(reference)
         worst = max((weights[n] - reference[n]).abs().max().item() for n in weights)
-        assert worst < 1e-5, f"{world} stages, {name}/{opt}/ef={ef}/clip={clip}/checkpointing={ckpt}: max |diff| = {worst}"
+        assert worst < 1e-5, f"{world} stages, {schedule}, {name}/{opt}/ef={ef}/clip={clip}/checkpointing={ckpt}: max |diff| = {worst}"
         losses = [x for x in per_rank[0][index][1] if x is not None]
         assert len(losses) == STEPS and losses[-1] < losses[0], losses
 
@@ -257,7 +264,7 @@ def test_headers_are_sent_only_when_the_boundary_changes(oracle_results):
 
 def test_negative_control_delay_matters(oracle_results):
     world, per_rank = oracle_results
-    name, opt, ef, clip, _ = SCENARIOS[world][0]
+    name, opt, ef, clip, _ = SCENARIOS[world][0][:5]
     plain = reference_run(opt, 0, 0.0, STEPS, clip, microbatches=world, workload=WORKLOADS[name])
     weights = _merged(per_rank, 0)
     assert max((weights[n] - plain[n]).abs().max().item() for n in weights) > 1e-4
