@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lightning_async.callbacks.delay import two_corrections
+
 SECTION = "error_feedback"
 
 
@@ -36,8 +38,7 @@ def translate_error_feedback_section(config) -> str | None:
     if strength < 0:
         raise ValueError(f"{SECTION}.strength must be >= 0, got {strength:g}.")
     if strength > 0 and correction.method not in ("ef", "none"):
-        raise ValueError(f"Two staleness corrections are switched on (ef, {correction.method}); choose one (set the "
-                         "other's strength to 0, or give the one you want as the correction: section only).")
+        raise two_corrections(f"ef, {correction.method}")
     options = dict(correction.options or {}) if was_ef else {}
     if section.extrapolate_weight_decay is not None:
         options["extrapolate_weight_decay"] = bool(section.extrapolate_weight_decay)

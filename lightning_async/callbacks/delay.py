@@ -21,6 +21,12 @@ from lightning_async.optim.delay import DelayedOptimizer, check_delay
 from lightning_async.pipeline import profiles
 
 
+def two_corrections(names: str) -> ValueError:
+    """The error for two staleness corrections switched on at once (``names``: theirs, comma-separated)."""
+    return ValueError(f"Two staleness corrections are switched on ({names}); choose one (set the other's strength to "
+                      "0, or give the one you want as the correction: section only).")
+
+
 def pipeline_schedule(trainer: Trainer):
     """The schedule spec of a pipeline strategy (``PipelineStrategy.schedule_spec``), ``None`` for any other
     strategy. (Asked of the strategy, not imported from ``strategies``: the strategy imports the callbacks.)"""
@@ -310,8 +316,7 @@ class DelayCorrection(Callback):
         others = [cb for cb in trainer.callbacks if isinstance(cb, DelayCorrection) and cb.active and cb is not self]
         if others:
             names = ", ".join(cb.correction.method for cb in [self, *others])
-            raise ValueError(f"Two staleness corrections are switched on ({names}); choose one (set the other's "
-                             "strength to 0, or give the one you want as the correction: section only).")
+            raise two_corrections(names)
         check_applicable(self.correction, pipeline_schedule(trainer), len(_delay_sources(trainer)), self.describe())
 
 

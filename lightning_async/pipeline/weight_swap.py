@@ -20,7 +20,7 @@ from torch import nn
 
 
 class WeightSwap:
-    """``module``'s parameters by name, resolved once: ``names[k]`` is the dotted name of ``weights[k]``'s slot.
+    """``module``'s parameters resolved once to their owning module and attribute.
 
     Every name of every parameter (``named_parameters(remove_duplicate=False)``: a weight registered under two
     names is swapped under both) must be in ``index``, which maps it to its position in the weight lists that
