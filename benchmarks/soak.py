@@ -8,7 +8,9 @@ optimizer state, the first validation) the table gives each rank's steady RSS an
 RSS over steps, in MB per 1,000 steps and as a share of the steady RSS (target: below 1% per 1,000 steps).
 
 Configurations: 2 and 3 stages x ``2bw`` and ``1f1b`` x validation off or every ``--val-every`` steps (a
-validation drains a 2BW pipeline and flushes every pending send: the case without it is the one that grew).
+validation drains a 2BW pipeline and flushes every pending send: the case without it is the one that grew). When
+``--val-every`` divides ``--steps`` the last validation sees the final weights, and the run also prints the logged
+``val/loss`` minus a single-device validate of the weights the fit returned (0 up to float rounding).
 
     python benchmarks/soak.py                                  # 8 fits of 1,600 steps (about 50 min on 2 idle cores)
     python benchmarks/soak.py --steps 400 --stages 2 --schedules 2bw   # a quick look
@@ -71,7 +73,9 @@ class SampleRSS(L.Callback):
             json.dump(self.samples, f)
 
 
-def _fit(cfg: dict) -> None:
+def _fit(cfg: dict) -> tuple[float, float] | None:
+    """Fit ``cfg``; with validation whose interval divides the steps (so the last one sees the final weights), the
+    logged ``val/loss`` and a single-device validate of the weights the fit returned (``None`` otherwise)."""
     import torch
 
     import lightning_async  # noqa: F401 (registers the strategies)
@@ -90,14 +94,21 @@ def _fit(cfg: dict) -> None:
         enable_progress_bar=False, enable_model_summary=False, callbacks=[SampleRSS(cfg["every"], cfg["dir"])], gradient_clip_val=1.0,
     )
     model = CausalLM(model="tiny", vocab_size=257, lr=3e-3)
-    trainer.fit(model, TextDataModule(source="stdlib", tokenizer="byte", seq_len=128, batch_size=16))
+    data = TextDataModule(source="stdlib", tokenizer="byte", seq_len=128, batch_size=16)
+    trainer.fit(model, data)
+    if not val or cfg["steps"] % val:
+        return None
+    logged = float(trainer.callback_metrics["val/loss"])
+    one = L.Trainer(accelerator="cpu", devices=1, limit_val_batches=4, logger=False, enable_progress_bar=False,
+                    enable_model_summary=False)
+    return logged, one.validate(model, data, verbose=False)[0]["val/loss"]
 
 
 def run(stages: int, schedule: str, val_every: int, steps: int, every: int, warmup: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cfg = dict(stages=stages, schedule=schedule, val_every=val_every, steps=steps, every=every, dir=tmp)
         start = time.perf_counter()
-        _fit(cfg)
+        val_losses = _fit(cfg)
         wall = time.perf_counter() - start
         ranks = []
         for r in range(stages):
@@ -110,7 +121,8 @@ def run(stages: int, schedule: str, val_every: int, steps: int, every: int, warm
                     slope = slope_per_1000([(x["step"], x[kind]) for x in samples])
                     row[kind] = {"steady_mb": level / MB, "slope_mb": slope / MB, "slope_pct": 100 * slope / level}
             ranks.append(row)
-    return {"stages": stages, "schedule": schedule, "val_every": val_every, "steps": steps, "wall_s": wall, "ranks": ranks}
+    return {"stages": stages, "schedule": schedule, "val_every": val_every, "steps": steps, "wall_s": wall, "ranks": ranks,
+            "val_loss_pipeline_and_one_device": val_losses}
 
 
 def main() -> None:
@@ -137,6 +149,11 @@ def main() -> None:
                   f"{file.get('slope_mb', float('nan')):>11.2f}", flush=True)
     worst = max(r["rss"]["slope_pct"] for row in rows for r in row["ranks"])
     print(f"worst RSS slope: {worst:.2f}% of the steady RSS per 1,000 steps (target < 1%)")
+    for row in rows:
+        if row["val_loss_pipeline_and_one_device"] is not None:
+            logged, one = row["val_loss_pipeline_and_one_device"]
+            print(f"{row['stages']} stages {row['schedule']}: logged val/loss {logged:.7f}, a single-device validate of "
+                  f"the final weights {one:.7f} (difference {logged - one:+.1e})")
     if args.json:
         _bench.write_json(args.json, rows)
 
