@@ -13,7 +13,7 @@ SHAPE = dict(vocab_size=257, hidden_size=32, num_layers=2, num_heads=4, num_kv_h
 # fp32 Newton-Schulz: exact comparisons need it (bf16 would turn 1e-7 differences into 1e-3).
 KWARGS = {"muon": {"ns_dtype": torch.float32}, "normuon": {"ns_dtype": torch.float32}}
 LRS = {"adamw": 3e-3, "muon": 2e-2, "normuon": 2e-2, "adan": 3e-3, "soap": 3e-3, "lion": 3e-4, "mars": 3e-3,
-       "asyncpp": 3e-3}
+       "asyncpp": 3e-3, "basis_rotation": 3e-3}
 WEIGHT_DECAY = 0.1
 STEPS = 20
 

@@ -16,8 +16,9 @@ Grouping (:func:`group_parameters`, the only place it is decided):
 
 Muon and NorMuon take the ``matrix`` parameters (2-D ones only: anything else is routed to AdamW
 with a log record); AdamW takes ``embedding`` (decayed) and ``no_decay``, with its own learning
-rate ``adamw_lr``. Every other optimizer gets two groups: decay on all >= 2-D parameters, none on
-the rest. See ``docs/optimizers.md`` for defaults and their sources.
+rate ``adamw_lr``. ``basis_rotation`` (Jung et al. 2026; ``soap`` with ``rotate="hidden"`` and their
+settings) puts SOAP on ``matrix`` and AdamW on the rest. Every other optimizer gets two groups: decay on
+all >= 2-D parameters, none on the rest. See ``docs/optimizers.md`` for defaults and their sources.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from lightning_async.optim.muon import BatchedMuon, NorMuon, adjusted_lr
 
 log = logging.getLogger(__name__)
 
-OPTIMIZER_NAMES = ("adamw", "muon", "normuon", "adan", "soap", "lion", "mars", "asyncpp")
+OPTIMIZER_NAMES = ("adamw", "muon", "normuon", "adan", "soap", "lion", "mars", "asyncpp", "basis_rotation")
 MUON_FAMILY = ("muon", "normuon")
 
 # Names (dot-separated components) that mark a 2-D parameter as an embedding or the LM head.
@@ -51,6 +52,8 @@ ADAN_DEFAULTS = {"betas": (0.98, 0.92, 0.99), "eps": 1e-8}  # Xie et al. 2022 (l
 LION_DEFAULTS = {"betas": (0.9, 0.99)}  # Chen et al. 2023
 MARS_DEFAULTS = {"betas": (0.95, 0.99), "gamma": 0.025, "mars_type": "adamw", "betas_1d": (0.9, 0.95)}  # Yuan et al. 2024
 SOAP_DEFAULTS = {"betas": (0.95, 0.95), "precondition_frequency": 10, "eps": 1e-8}  # Vyas et al. 2024
+# Jung, Shin and Lee 2026, their code's run settings (covariance EMA = beta2, basis refresh every 10 steps)
+BASIS_ROTATION_DEFAULTS = {"betas": (0.9, 0.999), "shampoo_beta": 0.999, "precondition_frequency": 10, "eps": 1e-8}
 DEFAULT_ADAMW_LR = 3e-3  # the adamw recipe's lr: AdamW part of the Muon family (embeddings, head, norms)
 
 # Keyword arguments each name accepts (anything else is an error, never silently ignored).
@@ -66,6 +69,10 @@ ALLOWED_KWARGS: dict[str, frozenset[str]] = {
     "soap": frozenset(
         {"betas", "shampoo_beta", "precondition_frequency", "max_precondition_dim", "merge_dims", "precondition_1d",
          "correct_bias", "normalize_gradient", "eps", "rotate"}
+    ),
+    "basis_rotation": frozenset(
+        {"betas", "shampoo_beta", "precondition_frequency", "max_precondition_dim", "merge_dims", "correct_bias",
+         "normalize_gradient", "eps"}
     ),
     "asyncpp": ASYNCPP_KWARGS,
 }
@@ -191,6 +198,8 @@ def build_optimizer(
         raise ValueError("build_optimizer got no trainable parameters.")
     if name in MUON_FAMILY:
         return _build_muon_family(name, groups, lr, weight_decay, kwargs)
+    if name == "basis_rotation":
+        return _build_basis_rotation(groups, lr, weight_decay, {**BASIS_ROTATION_DEFAULTS, **kwargs})
     if name == "soap" and _rotated_scope(kwargs) == "hidden":
         return _build_basis_rotation(groups, lr, weight_decay, kwargs)
     decay = [p for _, p in groups["matrix"] + groups["embedding"]]

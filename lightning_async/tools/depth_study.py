@@ -44,7 +44,7 @@ from lightning_async.compare.statistics import LEVEL, Interval, mean_interval, p
 from lightning_async.identity import DONE_FILE
 
 STUDY_FOLDER = re.compile(r"^evidence-depth-(?P<profile>2bw|pipedream-\d+)$")
-RUN_NAME = re.compile(r"^(?P<optimizer>[a-z0-9]+)-(?P<mode>sync|delayed(?:-[a-z-]+)?)-lr[^-]+-s(?P<seed>\d+)$")
+RUN_NAME = re.compile(r"^(?P<optimizer>[a-z0-9_]+)-(?P<mode>sync|delayed(?:-[a-z-]+)?)-lr[^-]+-s(?P<seed>\d+)$")
 #: study mode -> the correction it applies (``delayed-ef`` is EF's k-step form: one step under 2BW)
 CORRECTIONS = {"delayed": "none", "delayed-ef": "ef", "delayed-ef-one-step": "ef-one-step"}
 VAL_LOSS = "val/loss"

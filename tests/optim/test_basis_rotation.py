@@ -1,5 +1,6 @@
 """Basis rotation's scope (Jung et al. 2026) in the zoo: ``soap`` with ``rotate="hidden"`` rotates the hidden
-matrices only (SOAP's update there) and trains the embedding, the head and the 1-D parameters with AdamW."""
+matrices only (SOAP's update there) and trains the embedding, the head and the 1-D parameters with AdamW;
+``basis_rotation`` is that with their settings."""
 
 from __future__ import annotations
 
@@ -7,7 +8,13 @@ import pytest
 import torch
 from pytorch_optimizer import SOAP
 
-from lightning_async.optim.zoo import SOAP_DEFAULTS, build_optimizer, group_parameters
+from lightning_async.optim.zoo import (
+    BASIS_ROTATION_DEFAULTS,
+    SOAP_DEFAULTS,
+    UnknownOptimizerArgument,
+    build_optimizer,
+    group_parameters,
+)
 from workload import BATCHES, loss_of, make_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -70,3 +77,30 @@ def test_it_trains() -> None:
 def test_an_unknown_scope_is_refused() -> None:
     with pytest.raises(ValueError, match=r"rotate must be 'all' \(SOAP\) or 'hidden'"):
         build_optimizer("soap", make_model().named_parameters(), lr=1e-3, rotate="embedding")
+
+
+def _train(model, optimizer, batches) -> None:
+    for batch in batches:
+        loss_of(model, batch).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def test_basis_rotation_is_soap_on_the_hidden_matrices_with_their_settings() -> None:
+    """The zoo name equals ``soap`` + ``rotate="hidden"`` + the paper's settings bit for bit, and differs from
+    ``rotate="hidden"`` with SOAP's own settings (so the defaults are the paper's, not SOAP's)."""
+    assert BASIS_ROTATION_DEFAULTS == {**PAPER, "eps": 1e-8}
+    named, spelled, soap_settings = make_model(), make_model(), make_model()
+    _train(named, build_optimizer("basis_rotation", named.named_parameters(), lr=3e-3, weight_decay=0.1), BATCHES[:12])
+    _train(spelled, build_optimizer("soap", spelled.named_parameters(), lr=3e-3, weight_decay=0.1, rotate="hidden",
+                                    **PAPER), BATCHES[:12])
+    _train(soap_settings, build_optimizer("soap", soap_settings.named_parameters(), lr=3e-3, weight_decay=0.1,
+                                          rotate="hidden"), BATCHES[:12])
+    for (n, a), (_, b) in zip(named.named_parameters(), spelled.named_parameters()):
+        assert torch.equal(a, b), n
+    assert not torch.equal(named.blocks[0].attn.q_proj.weight, soap_settings.blocks[0].attn.q_proj.weight)
+
+
+def test_basis_rotation_takes_no_scope() -> None:
+    with pytest.raises(UnknownOptimizerArgument, match="'basis_rotation' does not take rotate"):
+        build_optimizer("basis_rotation", make_model().named_parameters(), lr=1e-3, rotate="all")

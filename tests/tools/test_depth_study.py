@@ -32,10 +32,10 @@ SYNC = {0: [(200, 3.0), (400, 2.6), (600, 2.4)], 1: [(200, 3.1), (400, 2.7), (60
 T_975_2 = 4.302652729911275  # Student t, 0.975 quantile, 2 degrees of freedom (n = 3 seeds)
 
 
-def fake_study(root, profile: str, mode: str, finals: dict[int, float]) -> None:
+def fake_study(root, profile: str, mode: str, finals: dict[int, float], optimizer: str = "adamw") -> None:
     for seed, final in finals.items():
         curve = dict(SYNC[seed][:-1]) | {600: final}
-        write_fake_run(root / f"evidence-depth-{profile}" / "runs" / f"adamw-{mode}-lr0.01-s{seed}", val_loss=curve)
+        write_fake_run(root / f"evidence-depth-{profile}" / "runs" / f"{optimizer}-{mode}-lr0.01-s{seed}", val_loss=curve)
 
 
 def gaps(profile: str, correction: str, values: list[float], optimizer: str = "adamw") -> list[SeedRow]:
@@ -64,6 +64,16 @@ def test_rows_pair_each_run_with_the_sync_run_of_its_seed(tmp_path) -> None:
     # seed 0: sync reaches 2.6 at step 400 (its curve), the run ends there at 600: 1.5x; seed 1 the same
     assert ef.slowdown == pytest.approx(1.5, abs=TOL)
     assert summaries[("2bw", "none")].gap == pytest.approx(0.11, abs=TOL)
+
+
+def test_an_optimizer_name_with_an_underscore_is_its_own_row(tmp_path) -> None:
+    """``basis_rotation`` runs (the zoo name) pair with their own sync runs, not SOAP's or AdamW's."""
+    fake_study(tmp_path, "2bw", "sync", {0: 2.4}, optimizer="basis_rotation")
+    fake_study(tmp_path, "2bw", "delayed", {0: 2.45}, optimizer="basis_rotation")
+    fake_study(tmp_path, "2bw", "sync", {0: 2.0}, optimizer="soap")
+    rows = seed_rows(collect(tmp_path)[0])
+    assert [(r.optimizer, r.profile, r.correction, r.seed) for r in rows] == [("basis_rotation", "2bw", "none", 0)]
+    assert rows[0].gap == pytest.approx(0.05, abs=TOL)
 
 
 def test_steps_to_reach_interpolates_and_says_never() -> None:
