@@ -210,10 +210,10 @@ def test_across_optimizers_the_smallest_gap_is_established_only_by_its_paired_in
 
 
 def test_shipped_findings_say_soap_beats_adamw_and_muon_under_pipedream() -> None:
-    for p in (4, 8, 16):  # docs/results.md, Part D: SOAP's gap under PipeDream's profile, three seeds, against the others'
+    for p in (4, 8, 16, 32):  # docs/results.md, Part D: SOAP's gap under PipeDream's profile, three seeds, against the others'
         text = optimizer_advice(p)
         assert "soap has the smallest gap" in text
-        for other in ("muon", "adamw"):
+        for other in ("muon", "adamw", "basis_rotation"):
             assert re.search(rf"minus {other}'s \(\+[0-9.]+\): -[0-9.]+ \(95% CI -[0-9.]+ to -[0-9.]+, n=3, paired by seed\), "
                              r"established", text), text
 
@@ -228,6 +228,11 @@ def test_shipped_findings_are_the_paired_summaries_of_their_rows() -> None:
                                     ("pipedream-8", 0.838, 0.615, 1.061)):
         r = summary[("adamw", profile, "none")]
         assert r.seed_ids == (0, 1, 2, 3, 4) and (round(r.gap, 3), round(r.gap_low, 3), round(r.gap_high, 3)) == (gap, low, high)
+    # Table 1's basis rotation rows (its own label since session 4; 2BW's reproduce session 3's Table 3 to 4 decimals)
+    rotation = summary[("basis_rotation", "2bw", "none")]
+    assert rotation.seed_ids == (0, 1, 2) and (round(rotation.gap, 3), round(rotation.gap_low, 3)) == (0.071, 0.054)
+    assert {p for (o, p, _) in summary if o in ("soap", "muon", "basis_rotation")} == {
+        "2bw", "pipedream-4", "pipedream-8", "pipedream-16", "pipedream-32"}
     ef = summary[("adamw", "2bw", "ef")]
     assert (round(ef.recovered, 2), round(ef.recovered_low, 2), round(ef.recovered_high, 2)) == (0.58, 0.40, 0.83)
     compared = load_comparisons()
