@@ -195,6 +195,19 @@ def test_dry_run_set_and_data_override(tmp_path, capsys):
     assert study_main(["--config", str(path), "--set", "nokey"], runner=runner) == 2
 
 
+def test_lr_override_replaces_one_optimizers_lrs(tmp_path, capsys):
+    path = write_study(tmp_path, lrs={"adamw": [1e-2], "muon": [7e-3]}, seeds=[0], modes=["sync"])
+    runner = FakeRunner()
+    assert study_main(["--config", str(path), "--dry-run", "--lr", "adamw=3e-2,0.1"], runner=runner) == 0
+    names = re.findall(r"\] (\S+) \(todo\)", capsys.readouterr().out)
+    assert names == ["adamw-sync-lr0.03-s0", "adamw-sync-lr0.1-s0", "muon-sync-lr0.007-s0"]
+    for bad, message in (("sgd=0.1", "one of the study's optimizers"), ("adamw=fast", "not a comma-separated list"),
+                         ("adamw=-1", "must be positive"), ("adamw", "not a comma-separated list")):
+        assert study_main(["--config", str(path), "--dry-run", "--lr", bad], runner=runner) == 2
+        assert message in capsys.readouterr().err, bad
+    assert runner.calls == []
+
+
 def test_ablation_keys(tmp_path):
     study = load_study(write_study(tmp_path, optimizers=["adamw"], seeds=[0], modes=["sync", "delayed-ef"],
                                    ef_strengths=[0.5, 1.0], delays=[1, 2]))

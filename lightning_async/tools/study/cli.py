@@ -33,6 +33,8 @@ def build_parser(prog: str = "lightning-async study") -> argparse.ArgumentParser
     parser.add_argument("--max-steps", type=int, help="override the study's max_steps")
     parser.add_argument("--seeds", type=int, nargs="+", help="override the study's seeds")
     parser.add_argument("--only", nargs="+", metavar="OPTIMIZER", help="run only these optimizers of the study")
+    parser.add_argument("--lr", action="append", default=[], metavar="OPTIMIZER=LR[,LR...]",
+                        help="replace the study's lrs of one optimizer, e.g. --lr adamw=3e-2 (repeatable)")
     parser.add_argument("--no-compare", action="store_true", help="do not run compare at the end")
     parser.add_argument("--paper", action="store_true", help="add the paper's numbers to the report")
     parser.add_argument("--fail-fast", action="store_true",
@@ -42,6 +44,20 @@ def build_parser(prog: str = "lightning-async study") -> argparse.ArgumentParser
     parser.add_argument("--fake", action="store_true",
                         help="rehearsal: write synthetic runs instead of training (check bookkeeping and report)")
     return parser
+
+
+def parse_lr_override(item: str, optimizers: list) -> tuple[str, list[float]]:
+    """``--lr OPTIMIZER=LR[,LR...]``: the optimizer (one of the study's) and its learning rates."""
+    optimizer, _, values = item.partition("=")
+    if optimizer not in optimizers:
+        raise StudyError(f"--lr {item}: give OPTIMIZER=LR[,LR...] with one of the study's optimizers {optimizers}")
+    try:
+        lrs = [float(v) for v in values.split(",")]
+    except ValueError:
+        raise StudyError(f"--lr {item}: {values!r} is not a comma-separated list of numbers") from None
+    if any(not lr > 0 for lr in lrs):
+        raise StudyError(f"--lr {item}: learning rates must be positive")
+    return optimizer, lrs
 
 
 def study_from_args(args: argparse.Namespace) -> Study:
@@ -58,6 +74,9 @@ def study_from_args(args: argparse.Namespace) -> Study:
         if bad:
             raise StudyError(f"--only {' '.join(bad)}: not in the study's optimizers {study.optimizers}")
         study.optimizers = [o for o in study.optimizers if o in args.only]
+    for item in args.lr:
+        optimizer, lrs = parse_lr_override(item, study.optimizers)
+        study.lrs[optimizer] = lrs
     for extra in args.data_override:
         found = extra if Path(extra).is_file() else find_recipe(extra, study.recipes_dir)
         if found is None:
