@@ -208,6 +208,15 @@ def test_lr_override_replaces_one_optimizers_lrs(tmp_path, capsys):
     assert runner.calls == []
 
 
+def test_modes_option_runs_a_subset_of_the_modes(tmp_path, capsys):
+    path = write_study(tmp_path, optimizers=["adamw"], seeds=[0])
+    runner = FakeRunner()
+    assert study_main(["--config", str(path), "--dry-run", "--modes", "delayed", "sync"], runner=runner) == 0
+    assert re.findall(r"\] (\S+) \(todo\)", capsys.readouterr().out) == ["adamw-sync-s0", "adamw-delayed-s0"]
+    assert study_main(["--config", str(path), "--dry-run", "--modes", "async"], runner=runner) == 2
+    assert "--modes async: not in the study's modes ['sync', 'delayed', 'delayed-ef']" in capsys.readouterr().err
+
+
 def test_ablation_keys(tmp_path):
     study = load_study(write_study(tmp_path, optimizers=["adamw"], seeds=[0], modes=["sync", "delayed-ef"],
                                    ef_strengths=[0.5, 1.0], delays=[1, 2]))

@@ -33,6 +33,7 @@ def build_parser(prog: str = "lightning-async study") -> argparse.ArgumentParser
     parser.add_argument("--max-steps", type=int, help="override the study's max_steps")
     parser.add_argument("--seeds", type=int, nargs="+", help="override the study's seeds")
     parser.add_argument("--only", nargs="+", metavar="OPTIMIZER", help="run only these optimizers of the study")
+    parser.add_argument("--modes", nargs="+", metavar="MODE", help="run only these modes of the study")
     parser.add_argument("--lr", action="append", default=[], metavar="OPTIMIZER=LR[,LR...]",
                         help="replace the study's lrs of one optimizer, e.g. --lr adamw=3e-2 (repeatable)")
     parser.add_argument("--no-compare", action="store_true", help="do not run compare at the end")
@@ -74,6 +75,11 @@ def study_from_args(args: argparse.Namespace) -> Study:
         if bad:
             raise StudyError(f"--only {' '.join(bad)}: not in the study's optimizers {study.optimizers}")
         study.optimizers = [o for o in study.optimizers if o in args.only]
+    if args.modes:
+        bad = [m for m in args.modes if m not in study.modes]
+        if bad:
+            raise StudyError(f"--modes {' '.join(bad)}: not in the study's modes {study.modes}")
+        study.modes = [m for m in study.modes if m in args.modes]
     for item in args.lr:
         optimizer, lrs = parse_lr_override(item, study.optimizers)
         study.lrs[optimizer] = lrs
