@@ -14,8 +14,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from lightning_async.compare.statistics import mean_interval, paired_differences
-from lightning_async.tools.depth_study import Comparison, DepthRow, SeedRow, find_comparison, load_summaries, read_rows
+from lightning_async.tools.depth_study import (
+    Comparison,
+    DepthRow,
+    SeedRow,
+    find_comparison,
+    load_summaries,
+    optimizers_compared,
+    read_rows,
+)
 
 FINDINGS = Path(__file__).with_name("depth_findings.json")
 SOURCE = "docs/results.md, Depth"
@@ -40,28 +47,8 @@ def optimizer_advice(stages: int, rows: Sequence[SeedRow] | None = None) -> str 
     """Across optimizers, under PipeDream's profile at ``stages`` without a correction: the optimizer with the
     smallest mean gap to its own sync run, and against each other one measured there whether the paired difference
     (by seed) is established; ``None`` when fewer than two optimizers were measured at that profile."""
-    rows = load_seed_rows() if rows is None else rows
-    profile = f"pipedream-{stages}"
-    gaps: dict[str, dict[int, float]] = {}
-    for r in rows:
-        if r.profile == profile and r.correction == "none":
-            gaps.setdefault(r.optimizer, {})[r.seed] = r.gap
-    if len(gaps) < 2:
-        return None
-    mean = {o: sum(g.values()) / len(g) for o, g in gaps.items()}
-    best, *others = sorted(gaps, key=mean.get)
-    parts = []
-    for other in others:
-        differences = paired_differences(gaps[best], gaps[other])
-        interval = mean_interval(differences)
-        if interval is None:
-            parts.append(f"against {other}'s ({mean[other]:+.3f}): not established, fewer than two seeds in common")
-            continue
-        verdict = "established" if interval.below(0.0) else "not established (the interval includes 0)"
-        parts.append(f"minus {other}'s ({mean[other]:+.3f}): {sum(differences) / len(differences):+.3f} "
-                     f"({interval.describe()}, paired by seed), {verdict}")
-    return (f"p={stages}, across optimizers under {profile} without a correction ({SOURCE}): {best} has the smallest "
-            f"gap to its own sync run, {mean[best]:+.3f} (n={len(gaps[best])}); its gap " + "; ".join(parts) + ".")
+    text = optimizers_compared(load_seed_rows() if rows is None else rows, f"pipedream-{stages}", SOURCE)
+    return None if text is None else f"p={stages}, {text}"
 
 
 def _label(row: DepthRow) -> str:

@@ -34,6 +34,7 @@ import re
 import statistics
 import sys
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -273,6 +274,32 @@ def find_comparison(found: list[Comparison], optimizer: str, first: Config, seco
 
 
 # ---- the findings file -----------------------------------------------------------------------------------
+def optimizers_compared(rows: Sequence[SeedRow], profile: str, source: str) -> str | None:
+    """Across optimizers under ``profile`` without a correction: the optimizer with the smallest mean gap to its own
+    sync run, and against each other one measured there whether the paired difference (by seed) is established;
+    ``None`` when fewer than two optimizers were measured at that profile. ``source``: where the rows come from."""
+    gaps: dict[str, dict[int, float]] = {}
+    for r in rows:
+        if r.profile == profile and r.correction == "none":
+            gaps.setdefault(r.optimizer, {})[r.seed] = r.gap
+    if len(gaps) < 2:
+        return None
+    mean = {o: sum(g.values()) / len(g) for o, g in gaps.items()}
+    best, *others = sorted(gaps, key=mean.get)
+    parts = []
+    for other in others:
+        differences = paired_differences(gaps[best], gaps[other])
+        interval = mean_interval(differences)
+        if interval is None:
+            parts.append(f"against {other}'s ({mean[other]:+.3f}): not established, fewer than two seeds in common")
+            continue
+        verdict = "established" if interval.below(0.0) else "not established (the interval includes 0)"
+        parts.append(f"minus {other}'s ({mean[other]:+.3f}): {sum(differences) / len(differences):+.3f} "
+                     f"({interval.describe()}, paired by seed), {verdict}")
+    return (f"across optimizers under {profile} without a correction ({source}): {best} has the smallest gap to its "
+            f"own sync run, {mean[best]:+.3f} (n={len(gaps[best])}); its gap " + "; ".join(parts) + ".")
+
+
 def _from_dict(cls, data: dict):
     names = {f.name for f in fields(cls)}
     return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in names})
@@ -379,6 +406,10 @@ def main(argv: list[str] | None = None) -> int:
     print(format_rows(summarize(rows)))
     print("\npaired differences between configurations (seeds in common, 95% t interval):\n")
     print(format_comparisons(comparisons(rows)))
+    profiles = sorted({r.profile for r in rows}, key=_stages)
+    across = [text for text in (optimizers_compared(rows, profile, "these rows") for profile in profiles) if text]
+    if across:
+        print("\n" + "\n".join(across))
     print(f"\n{len(rows)} rows: {len(recorded)} recorded ({replaced} replaced by runs found), {len(new)} from runs")
     if unfinished:
         print(f"({unfinished} unfinished run(s) left out)")

@@ -97,6 +97,17 @@ def test_main_prints_the_table_and_writes_every_seed(tmp_path, capsys) -> None:
     assert main([]) == 2 and "--rows FILE, or both" in capsys.readouterr().err
 
 
+def test_main_compares_the_optimizers_of_each_profile(tmp_path, capsys) -> None:
+    for optimizer, delayed in (("adamw", {0: 2.7, 1: 2.9}), ("soap", {0: 2.45, 1: 2.56})):
+        fake_study(tmp_path, "2bw", "sync", {0: 2.4, 1: 2.5}, optimizer=optimizer)
+        fake_study(tmp_path, "pipedream-8", "delayed", delayed, optimizer=optimizer)
+    assert main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert ("across optimizers under pipedream-8 without a correction (these rows): soap has the smallest gap to its "
+            "own sync run, +0.055 (n=2); its gap minus adamw's (+0.350): -0.295 (95% CI ") in out
+    assert "under 2bw" not in out  # no delayed 2bw runs: nothing to compare there
+
+
 def test_merging_keeps_recorded_rows_and_a_run_found_replaces_its_key(tmp_path, capsys) -> None:
     recorded = [SeedRow("adamw", "2bw", "none", 0, 0.9, 3.0, source="session 1"),
                 SeedRow("adamw", "pipedream-16", "none", 0, 1.05, 6.0, True, "session 1")]
