@@ -25,7 +25,11 @@ from lightning_async.tools.depth_study import (
 )
 
 FINDINGS = Path(__file__).with_name("depth_findings.json")
-SOURCE = "docs/results.md, Depth"
+#: AdamW and SOAP rerun at their sync-tuned lrs on the study's model (docs/results.md, Part D, Table 4); the main
+#: findings use the lrs tuned on a smaller model, below those optima
+TUNED_FINDINGS = Path(__file__).with_name("depth_findings_tuned.json")
+SOURCE = "docs/results.md, Depth, at the lrs tuned on nano"
+TUNED_SOURCE = "at each optimizer's sync-tuned lr on the study's model, docs/results.md, Depth, Table 4"
 
 
 def load_findings(path: Path = FINDINGS) -> list[DepthRow]:
@@ -43,12 +47,19 @@ def load_seed_rows(path: Path = FINDINGS) -> list[SeedRow]:
     return read_rows(path) if path.is_file() else []
 
 
-def optimizer_advice(stages: int, rows: Sequence[SeedRow] | None = None) -> str | None:
+def optimizer_advice(stages: int, rows: Sequence[SeedRow] | None = None,
+                     tuned_rows: Sequence[SeedRow] | None = None) -> str | None:
     """Across optimizers, under PipeDream's profile at ``stages`` without a correction: the optimizer with the
     smallest mean gap to its own sync run, and against each other one measured there whether the paired difference
-    (by seed) is established; ``None`` when fewer than two optimizers were measured at that profile."""
-    text = optimizers_compared(load_seed_rows() if rows is None else rows, f"pipedream-{stages}", SOURCE)
-    return None if text is None else f"p={stages}, {text}"
+    (by seed) is established; then the same for the rows measured at each optimizer's sync-tuned lr
+    (``tuned_rows``, default the shipped :data:`TUNED_FINDINGS`) where they cover that profile. ``None`` when
+    neither has two optimizers measured at that profile."""
+    profile = f"pipedream-{stages}"
+    texts = [optimizers_compared(load_seed_rows() if rows is None else rows, profile, SOURCE),
+             optimizers_compared(load_seed_rows(TUNED_FINDINGS) if tuned_rows is None else tuned_rows, profile,
+                                 TUNED_SOURCE)]
+    found = [t for t in texts if t is not None]
+    return f"p={stages}, " + " Then ".join(found) if found else None
 
 
 def _label(row: DepthRow) -> str:

@@ -10,7 +10,14 @@ import re
 import pytest
 
 from lightning_async.compare.synthetic import write_fake_run
-from lightning_async.tools.depth_advice import FINDINGS, depth_advice, load_comparisons, load_findings, optimizer_advice
+from lightning_async.tools.depth_advice import (
+    FINDINGS,
+    TUNED_FINDINGS,
+    depth_advice,
+    load_comparisons,
+    load_findings,
+    optimizer_advice,
+)
 from lightning_async.tools.depth_study import (
     SeedRow,
     collect,
@@ -207,26 +214,47 @@ def test_across_optimizers_the_smallest_gap_is_established_only_by_its_paired_in
         return [SeedRow(optimizer, profile, "none", seed, gap, 1.0) for seed, gap in enumerate(gaps)]
 
     # SOAP's gap is below AdamW's in every seed: -0.48, -0.51, -0.49 (sd 0.0153, half-width 4.303 sd / sqrt(3) = 0.038)
-    text = optimizer_advice(4, rows("adamw", [0.52, 0.54, 0.52]) + rows("soap", [0.04, 0.03, 0.03]))
+    text = optimizer_advice(4, rows("adamw", [0.52, 0.54, 0.52]) + rows("soap", [0.04, 0.03, 0.03]), tuned_rows=())
     assert "soap has the smallest gap to its own sync run, +0.033 (n=3)" in text
     assert "minus adamw's (+0.527): -0.493 (95% CI -0.531 to -0.455, n=3, paired by seed), established" in text
     # one seed the other way round: the paired interval includes 0
-    text = optimizer_advice(4, rows("adamw", [0.52, 0.54, 0.02]) + rows("soap", [0.04, 0.03, 0.30]))
+    text = optimizer_advice(4, rows("adamw", [0.52, 0.54, 0.02]) + rows("soap", [0.04, 0.03, 0.30]), tuned_rows=())
     assert "not established (the interval includes 0)" in text and ", established" not in text
     # one seed in common, another profile, a correction: no comparison, or nothing said
-    text = optimizer_advice(4, rows("adamw", [0.52]) + rows("soap", [0.04]))
+    text = optimizer_advice(4, rows("adamw", [0.52]) + rows("soap", [0.04]), tuned_rows=())
     assert "not established, fewer than two seeds in common" in text
-    assert optimizer_advice(4, rows("adamw", [0.5, 0.5]) + rows("soap", [0.04, 0.03], profile="pipedream-8")) is None
-    assert optimizer_advice(8, rows("soap", [0.04, 0.03], profile="pipedream-8")) is None
+    assert optimizer_advice(4, rows("adamw", [0.5, 0.5]) + rows("soap", [0.04, 0.03], profile="pipedream-8"), tuned_rows=()) is None
+    assert optimizer_advice(8, rows("soap", [0.04, 0.03], profile="pipedream-8"), tuned_rows=()) is None
+    # the rows at each optimizer's sync-tuned lr follow, where they cover the profile
+    tuned = rows("adamw", [0.56, 0.54, 0.58]) + rows("soap", [0.16, 0.17, 0.16])
+    text = optimizer_advice(4, rows("adamw", [0.52, 0.54, 0.52]) + rows("soap", [0.04, 0.03, 0.03]), tuned_rows=tuned)
+    first, then = text.split(" Then ")
+    assert "soap has the smallest gap to its own sync run, +0.033 (n=3)" in first
+    assert then.startswith("across optimizers under pipedream-4 without a correction (at each optimizer's sync-tuned lr")
+    assert "soap has the smallest gap to its own sync run, +0.163 (n=3)" in then
+    assert optimizer_advice(8, rows("adamw", [0.5, 0.5]), tuned_rows=tuned) is None
 
 
 def test_shipped_findings_say_soap_beats_adamw_and_muon_under_pipedream() -> None:
     for p in (4, 8, 16, 32):  # docs/results.md, Part D: SOAP's gap under PipeDream's profile, three seeds, against the others'
-        text = optimizer_advice(p)
+        text = optimizer_advice(p).split(" Then ")[0]  # at the depth study's lrs (Tables 1 and 2)
         assert "soap has the smallest gap" in text
         for other in ("muon", "adamw", "basis_rotation"):
             assert re.search(rf"minus {other}'s \(\+[0-9.]+\): -[0-9.]+ \(95% CI -[0-9.]+ to -[0-9.]+, n=3, paired by seed\), "
                              r"established", text), text
+
+
+def test_shipped_tuned_findings_say_soaps_lead_ends_at_sixteen_stages() -> None:
+    """docs/results.md, Part D, Table 4: at each optimizer's sync-tuned lr SOAP's gap is below AdamW's under
+    PipeDream-4 and -8 (established) and not told apart from it at 16 and 32 stages."""
+    for p, verdict in ((4, "established"), (8, "established"), (16, "not established"), (32, "not established")):
+        tuned = optimizer_advice(p).split(" Then ")[1]
+        assert tuned.startswith(f"across optimizers under pipedream-{p} without a correction (at each optimizer's "
+                                "sync-tuned lr") and "soap has the smallest gap" in tuned
+        assert re.search(rf"minus adamw's \(\+[0-9.]+\): -[0-9.]+ \(95% CI [-+0-9. to]+, n=3, paired by seed\), "
+                         rf"{verdict}", tuned), tuned
+    tuned = json.loads(TUNED_FINDINGS.read_text())
+    assert json.loads(json.dumps(findings(read_rows(TUNED_FINDINGS)))) == tuned  # regenerated from its own rows
 
 
 def test_shipped_findings_are_the_paired_summaries_of_their_rows() -> None:
@@ -268,7 +296,7 @@ def test_probe_prints_the_depth_advice(tmp_path, capsys) -> None:
     args = ["--config", str(recipe), "--steps", "8", "--output", str(tmp_path / "p")]
     assert probe_main(args + ["--stages", "8"], runner=synthetic_runner) == 0
     out = capsys.readouterr().out
-    assert "\nDepth: p=8 (adamw, docs/results.md, Depth): " in out and "n=3, paired by seed" in out
+    assert "\nDepth: p=8 (adamw, docs/results.md, Depth, at the lrs tuned on nano): " in out and "n=3, paired by seed" in out
     assert probe_main(args + ["--stages", "0"], runner=synthetic_runner) == 2
     assert "--stages must be a positive number of pipeline stages, got 0" in capsys.readouterr().err
 
