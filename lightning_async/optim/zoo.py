@@ -58,6 +58,10 @@ DEFAULT_ADAMW_LR = 3e-3  # the adamw recipe's lr: AdamW part of the Muon family 
 
 # Keyword arguments each name accepts (anything else is an error, never silently ignored).
 _MUON_KWARGS = {"momentum", "nesterov", "ns_coefficients", "eps", "ns_steps", "adjust_lr_fn", "ns_dtype", "muon_impl"}
+_SOAP_KWARGS = frozenset(
+    {"betas", "shampoo_beta", "precondition_frequency", "max_precondition_dim", "merge_dims", "precondition_1d",
+     "correct_bias", "normalize_gradient", "eps", "rotate"}
+)
 _ADAMW_SIDE_KWARGS = {"adamw_lr", "adamw_betas", "adamw_eps", "adamw_weight_decay", "fused", "foreach"}
 ALLOWED_KWARGS: dict[str, frozenset[str]] = {
     "adamw": frozenset({"betas", "eps", "amsgrad", "foreach", "fused", "capturable", "maximize"}),
@@ -66,14 +70,9 @@ ALLOWED_KWARGS: dict[str, frozenset[str]] = {
     "adan": frozenset({"betas", "eps", "max_grad_norm", "foreach"}),
     "lion": frozenset({"betas", "foreach"}),
     "mars": frozenset({"betas", "gamma", "mars_type", "betas_1d", "eps", "ams_bound", "cautious", "foreach"}),
-    "soap": frozenset(
-        {"betas", "shampoo_beta", "precondition_frequency", "max_precondition_dim", "merge_dims", "precondition_1d",
-         "correct_bias", "normalize_gradient", "eps", "rotate"}
-    ),
-    "basis_rotation": frozenset(
-        {"betas", "shampoo_beta", "precondition_frequency", "max_precondition_dim", "merge_dims", "correct_bias",
-         "normalize_gradient", "eps"}
-    ),
+    "soap": _SOAP_KWARGS,
+    # SOAP's, but its scope is fixed (the hidden matrices) and its 1-D parameters go to AdamW
+    "basis_rotation": _SOAP_KWARGS - {"rotate", "precondition_1d"},
     "asyncpp": ASYNCPP_KWARGS,
 }
 _TUPLE_KWARGS = ("betas", "betas_1d", "adamw_betas", "ns_coefficients")
