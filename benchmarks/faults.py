@@ -42,7 +42,7 @@ def _worker(cfg: dict) -> None:
 
     from lightning_async.data.sampler import ResumableDataLoader, ResumableShuffleSampler, trainer_position
     from lightning_async.lm import CausalLM
-    from lightning_async.strategies import PipelineStrategy
+    from lightning_async.strategies import AsyncPipelineStrategy
 
     rank, world = cfg["rank"], cfg["world"]
     # as under torchrun: every rank connects to the store its launcher hosts (no port is picked, then bound later)
@@ -100,7 +100,7 @@ def _worker(cfg: dict) -> None:
         plugins = [FaultDuringSave()] if fault["phase"] == "save" else []
     L.seed_everything(0)
     trainer = L.Trainer(
-        accelerator="cpu", devices=world, strategy=PipelineStrategy(n_microbatches=4, timeout=cfg["timeout"]),
+        accelerator="cpu", devices=world, strategy=AsyncPipelineStrategy(n_microbatches=4, timeout=cfg["timeout"]),
         max_steps=STEPS, val_check_interval=VALIDATE_AT, limit_val_batches=2, num_sanity_val_steps=0, logger=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, plugins=plugins,
     )

@@ -154,7 +154,7 @@ def stage_runtime(kind: str, stages: int, m: int) -> PipelineRuntime:
     rank = dist.get_rank()
     module = build(kind)
     if kind == "moe":
-        module.moe.loss.one_forward_per_microbatch(m)  # as PipelineStrategy sets it up
+        module.moe.loss.one_forward_per_microbatch(m)  # as AsyncPipelineStrategy sets it up
     units = module.pipeline_units()
     return _bench.build_rank(units, "2bw", m, split_next_token, next_token_loss,
                              lambda plan: optimizer(plan.rank_stage.module.named_parameters()), rank=rank,

@@ -217,7 +217,7 @@ def measured_worker(cfg: dict) -> dict:
         kept = storage_bytes([t for d in deferred for t in d.held], exclude=weights)
         peak["activations"] = max(peak["activations"], sum(act[c] for c, _ in held) + kept)
         grads = [t.grad for t in runtime.params] if runtime.fsdp else [t.grad for slot in runtime.slots for t in slot]
-        grads += [x for pending in runtime._pending.values() for x in pending.grads]
+        grads += [x for pending in runtime.updates.pending.values() for x in pending.grads]
         grads += fsdp_accumulated_grads(runtime.chunks) if runtime.fsdp else []
         peak["grads"] = max(peak["grads"], _nbytes(grads))
 
@@ -234,11 +234,11 @@ def measured_worker(cfg: dict) -> dict:
     for b, batch in enumerate(batches):
         runtime.train_batch(batch)
         sample()
-        if b >= spec.loss_lag:
-            runtime.collect_loss(b - spec.loss_lag)
+        if runtime.reported_loss_batch() is not None:
+            runtime.collect_loss(runtime.reported_loss_batch())
     hwm = rss_kib("VmHWM")
     runtime.drain()
-    if spec.loss_lag:
+    if runtime.clock.reported_loss(len(batches) - 1) != len(batches) - 1:  # the last batch's loss is still out
         runtime.collect_loss(len(batches) - 1)
     elapsed = time.perf_counter() - t0
     rss0 = measure["rss0"]

@@ -174,7 +174,7 @@ def _run_ours(work: Workload, name: str, batches, warm: int, clock: Clock, profi
     rt._backward = clock.trace("B", rt._backward)
     rt._weight_grad = clock.trace("W", rt._weight_grad)
     rt._begin_update = clock.wrap("update", rt._begin_update)
-    rt._apply_update = clock.wrap("update", rt._apply_update)
+    rt.updates.apply = clock.wrap("update", rt.updates.apply)
     rt.transport.receive = clock.wrap("p2p", rt.transport.receive)
     rt.transport.exchange = clock.wrap("p2p", rt.transport.exchange)
     rt.collect_loss = clock.wrap("p2p", rt.collect_loss)
@@ -187,12 +187,12 @@ def _run_ours(work: Workload, name: str, batches, warm: int, clock: Clock, profi
             if prof is not None:
                 prof.enable()
         rt.train_batch(batch)
-        if b >= spec.loss_lag:
-            rt.collect_loss(b - spec.loss_lag)
+        if rt.reported_loss_batch() is not None:
+            rt.collect_loss(rt.reported_loss_batch())
 
     def finish():
         rt.drain()
-        if spec.loss_lag:
+        if rt.clock.reported_loss(len(batches) - 1) != len(batches) - 1:  # the last batch's loss is still out
             rt.collect_loss(len(batches) - 1)
         if prof is not None:
             prof.disable()

@@ -1,6 +1,6 @@
 """Soak test: does a long pipeline run keep its resident memory flat?
 
-Each configuration is a real Lightning fit (``PipelineStrategy``, gloo, one process per stage, started
+Each configuration is a real Lightning fit (``AsyncPipelineStrategy``, gloo, one process per stage, started
 by Lightning's spawn launcher) of the quick start's model and data: the ``tiny`` SmolLM2 on the standard
 library's sources, byte tokenizer, batches of 16 x 128 tokens, 4 micro-batches. A callback samples every
 rank's resident set size (``VmRSS``) every ``--every`` steps. After ``--warmup`` steps (allocator pools,
@@ -81,14 +81,14 @@ def _fit(cfg: dict) -> tuple[float, float] | None:
     import lightning_async  # noqa: F401 (registers the strategies)
     from lightning_async.data import TextDataModule
     from lightning_async.lm import CausalLM
-    from lightning_async.strategies import PipelineStrategy
+    from lightning_async.strategies import AsyncPipelineStrategy
 
     torch.set_num_threads(1)
     L.seed_everything(0)
     val = cfg["val_every"]
     trainer = L.Trainer(
         accelerator="cpu", devices=cfg["stages"], max_steps=cfg["steps"],
-        strategy=PipelineStrategy(schedule=cfg["schedule"], n_microbatches=4, start_method="spawn"),
+        strategy=AsyncPipelineStrategy(schedule=cfg["schedule"], n_microbatches=4, start_method="spawn"),
         val_check_interval=val if val else None, check_val_every_n_epoch=None if val else 10**6,
         limit_val_batches=4 if val else 0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[SampleRSS(cfg["every"], cfg["dir"])], gradient_clip_val=1.0,

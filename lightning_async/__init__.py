@@ -4,13 +4,13 @@ Importing the package registers the strategies of ``pipeline.schedules.STRATEGY_
 ``"sync_pipe"`` (1F1B), ``"gpipe_pipe"`` (GPipe) and ``"zb_pipe"`` (ZB-V).
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 import importlib  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 
-_EXPORTS = {"PipelineStrategy": "lightning_async.strategies", "AsyncPipelineStrategy": "lightning_async.strategies",
+_EXPORTS = {"AsyncPipelineStrategy": "lightning_async.strategies", "PipelineStrategy": "lightning_async.strategies",
             "DelayedOptimizer": "lightning_async.optim",
             "ErrorFeedbackCorrection": "lightning_async.optim", "build_optimizer": "lightning_async.optim"}
 

@@ -1,6 +1,6 @@
 """The ``lightning-async`` command: the training commands of LightningCLI (``fit``, ``validate``, ``test``,
-``predict``; :mod:`lightning_async.training_cli`) plus ``compare``, ``study``, ``probe``, ``plan`` (old name
-``simulate``), ``recipes`` and ``export``.
+``predict``; :mod:`lightning_async.training_cli`) plus ``compare``, ``study``, ``probe``, ``plan``, ``recipes`` and
+``export``.
 
 This module imports neither torch nor Lightning: ``lightning-async --help`` lists every command at once, and each
 command imports only what it needs (a tool its module, a training command LightningCLI). Names of the training
@@ -20,7 +20,6 @@ TOOLS = {
     "study": ("lightning_async.tools.study", "study_main"),
     "probe": ("lightning_async.tools.probe", "probe_main"),
     "plan": ("lightning_async.tools.plan", "plan_main"),
-    "simulate": ("lightning_async.tools.plan", "simulate_main"),  # the old name of `plan`: says so, then plans
     "recipes": ("lightning_async.recipes_index", "recipes_main"),
     "export": ("lightning_async.export", "export_main"),
 }
@@ -43,6 +42,8 @@ TOOL_SUMMARIES = {
     "recipes": "list the shipped recipes, or copy one out to edit",
 }
 HELP_FLAGS = ("-h", "--help")
+#: commands removed in 0.2.0 -> the command to use (an error that names it, not LightningCLI's "invalid choice")
+REMOVED_COMMANDS = {"simulate": "plan"}
 
 
 def _listing(summaries: dict[str, str]) -> list[str]:
@@ -73,6 +74,10 @@ def top_level_help() -> str:
 def main(argv: list[str] | None = None) -> int:
     """Entry point: 0 done, 2 bad input (one ``error:`` line), 143 stopped by SIGTERM."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in REMOVED_COMMANDS:
+        print(f"error: `lightning-async {argv[0]}` was removed in 0.2.0: use `lightning-async {REMOVED_COMMANDS[argv[0]]}` "
+              "(the same options)", file=sys.stderr)
+        return EXIT_BAD_INPUT
     if argv and argv[0] in TOOLS:
         module, function = TOOLS[argv[0]]
         return int(getattr(importlib.import_module(module), function)(argv[1:]) or 0)

@@ -11,7 +11,7 @@ Why each one is needed:
 * the distributed sampler: with one pipeline replica every stage must read the same batches as a single-device
   run (Lightning would shard a training loader across the pipeline's ranks);
 * the SIGTERM hooks: Lightning 2.6 broadcasts a SIGTERM flag from rank 0 before every training batch and from its
-  signal handler; under a pipeline both hang (see ``PipelineStrategy``), so the signalled rank stops alone;
+  signal handler; under a pipeline both hang (see ``AsyncPipelineStrategy``), so the signalled rank stops alone;
 * the launchers: the configuration must be checked before other ranks start, and the spawn launcher must hand the
   whole model's state dict (not rank 0's stage) and ``predict``'s results back to the main process;
 * torch's LRScheduler marker: the batch's update is applied later (under 2BW) with the lr recorded now, so the
@@ -22,6 +22,8 @@ Why each one is needed:
 * jsonargparse's instantiator registry: the CLI wraps every instantiator to report constructor errors as one line;
 * Lightning's reading of ``configure_optimizers``' result: the pipeline counts the optimizers before any rank starts.
 * a logger's name and version: the run's label goes under the name before the log folder is first asked for.
+* the sanity check's results: Lightning validates before training and drops what that logged; when it covered the
+  whole validation set, ``RunTelemetry`` logs it as the loss at step 0 (the curve starts where training starts).
 """
 
 from __future__ import annotations
@@ -68,6 +70,22 @@ def kill_started(launcher, signum: int | None = None) -> None:
         launcher.kill(_get_sigkill_signal() if signum is None else signum)
 
 
+def call_step_hook(trainer, name: str, *args) -> None:
+    """Lightning's hook ``name`` on the callbacks, then the LightningModule, as its training loop calls it
+    (``trainer.call._call_callback_hooks`` and ``_call_lightning_module_hook``; Lightning 2.6)."""
+    from lightning.pytorch.trainer import call
+
+    call._call_callback_hooks(trainer, name, *args)
+    call._call_lightning_module_hook(trainer, name, *args)
+
+
+def skip_closure_zero_grad(closure) -> None:
+    """Lightning's training closure without its ``zero_grad`` (and so without its ``on_before_zero_grad``): under the
+    pipeline the runtime owns the gradients and calls that hook before each update (``Closure._zero_grad_fn``)."""
+    if hasattr(closure, "_zero_grad_fn"):
+        closure._zero_grad_fn = None
+
+
 def mark_optimizer_stepped(optimizer) -> None:
     """What torch's ``LRScheduler`` records on the optimizers it patches when they step."""
     getattr(optimizer, "optimizer", optimizer)._opt_called = True
@@ -94,6 +112,26 @@ def logged_step(trainer) -> int:
     """The step the loggers record this batch's metrics under (the ``step`` column of ``metrics.csv``)."""
     stepped = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", None)
     return int(stepped) if stepped is not None else max(0, trainer.global_step - 1)
+
+
+def sanity_check_metrics(trainer) -> dict[str, float]:
+    """At ``on_sanity_check_end``: the finite epoch-level values the sanity check's validation logged (``val/loss``),
+    which Lightning keeps from the loggers."""
+    import math
+
+    results = getattr(trainer, "_results", None)
+    found: dict[str, float] = {}
+    for result in (results or {}).values():
+        meta = getattr(result, "meta", None)
+        if meta is None or not (meta.logger and meta.on_epoch) or not getattr(result, "update_called", True):
+            continue
+        try:
+            value = float(result.compute())
+        except Exception:  # noqa: BLE001 - a value that cannot be read is simply not logged
+            continue
+        if math.isfinite(value):
+            found[meta.name] = value
+    return found
 
 
 def batches_started_this_epoch(trainer) -> int:

@@ -196,7 +196,7 @@ def convert(path: str, out: str, to: str) -> str:
         return (f"resume it on one device: Trainer(strategy='auto', callbacks=[DelaySimulation(1), <the run's "
                 f"correction, e.g. ErrorFeedback(1.0)>]).fit(model, ckpt_path={out!r})")
     one_device.to_pipeline(path, out, module)
-    return (f"resume it on a pipeline: PipelineStrategy(schedule='2bw', checkpoint_format='dcp', <the run's "
+    return (f"resume it on a pipeline: AsyncPipelineStrategy(schedule='2bw', checkpoint_format='dcp', <the run's "
             f"correction>), any stage and replica count, fit(ckpt_path={out!r})")
 
 

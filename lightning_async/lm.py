@@ -2,7 +2,7 @@
 features every causal LM here shares are :class:`~lightning_async.models.training.CausalLMTraining` (re-exported
 here; ``models.hf.HFCausalLM`` builds on it too).
 
-Pipeline contract (what :class:`~lightning_async.strategies.PipelineStrategy` needs from any
+Pipeline contract (what :class:`~lightning_async.strategies.AsyncPipelineStrategy` needs from any
 LightningModule; see ``docs/pipeline.md`` and ``docs/models.md``):
 
 * ``pipeline_units()`` -> ordered ``(name, module)`` pairs whose composition is the forward pass;

@@ -6,8 +6,8 @@ Recipes compose through repeated ``--config`` (later files win); a value that is
 a shipped recipe (``--config quickstart --config optimizers/muon``, :mod:`lightning_async.recipes_index`).
 The delay and its correction are config sections of their own (``delay:``, the cause: ``DelaySimulation``;
 ``correction:``, the remedy: ``DelayCorrection``, Error Feedback being ``method: ef``), so mode and correction
-recipes never have to replace the trainer's callback list. ``error_feedback:``, the older spelling of
-``correction: {method: ef}``, still works for one release and says so (:mod:`lightning_async.deprecated_cli`).
+recipes never have to replace the trainer's callback list. ``error_feedback:``, the spelling of
+``correction: {method: ef}`` before 0.2.0, is refused with the new spelling (:func:`refuse_removed_sections`).
 
 The ``model`` section takes any LightningModule (``class_path`` + ``init_args``); without a
 ``class_path`` it is :class:`~lightning_async.lm.CausalLM`, so ``model: {optimizer: muon}`` and
@@ -32,10 +32,9 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lightning_async import compat, deprecated_cli
-from lightning_async.deprecated_cli import ErrorFeedbackSection, translate_error_feedback_section
+from lightning_async import compat
 from lightning_async.exit_codes import EXIT_BAD_INPUT, EXIT_SIGTERM
-from lightning_async.strategies import PipelineStrategy  # (importing registers async_pipe / sync_pipe)
+from lightning_async.strategies import AsyncPipelineStrategy  # (importing registers async_pipe / sync_pipe)
 from lightning_async.callbacks import (
     DelayCorrection, DelaySimulation, DivergenceGuard, RunTelemetry, StepProgress,
 )
@@ -76,10 +75,59 @@ def _vocab_message(where: str) -> str:
     )
 
 
+#: the config section that ``correction: {method: ef}`` replaced (removed in 0.2.0)
+REMOVED_SECTION = "error_feedback"
+
+
+def _removed_section_message(where: str, section: dict) -> str:
+    """The error for an ``error_feedback:`` section given at ``where``, its values written the 0.2.0 way."""
+    strength = section.get("strength")
+    strength = f"{strength:g}" if isinstance(strength, (int, float)) and not isinstance(strength, bool) else "S"
+    if strength == "0":
+        spelled, flags = "correction: {method: none}", "--correction.method none"
+    else:
+        keep = section.get("extrapolate_weight_decay")
+        options = "" if keep is None else f", options: {{extrapolate_weight_decay: {str(bool(keep)).lower()}}}"
+        spelled = f"correction: {{method: ef, strength: {strength}{options}}}"
+        flags = f"--correction.method ef --correction.strength {strength}"
+    return (f"{where}: the {REMOVED_SECTION}: section was removed in 0.2.0; write {spelled} instead ({flags} on "
+            "the command line; CHANGELOG.md, \"Migrating from 0.1\").")
+
+
+def _removed_sections_in(recipe: dict) -> dict | None:
+    """The ``error_feedback`` section of a recipe, at the top or under a subcommand (``fit: {error_feedback: ...}``)."""
+    for scope in (recipe, *(recipe.get(sub) for sub in ("fit", "validate", "test", "predict"))):
+        if isinstance(scope, dict) and REMOVED_SECTION in scope:
+            return scope[REMOVED_SECTION] if isinstance(scope[REMOVED_SECTION], dict) else {}
+    return None
+
+
+def refuse_removed_sections(args: list[str], recipes: dict[str, dict]) -> None:
+    """Refuse the ``error_feedback:`` section, in a recipe or as ``--error_feedback.*``, naming the new spelling
+    (without this, jsonargparse reports an unknown key and says nothing of ``correction:``)."""
+    for path, recipe in recipes.items():
+        section = _removed_sections_in(recipe)
+        if section is not None:
+            raise CLIError(_removed_section_message(f"recipe {path}", section))
+    for i, arg in enumerate(args):
+        key, _, value = arg.lstrip("-").partition("=")
+        if arg.startswith("--") and (key == REMOVED_SECTION or key.startswith(REMOVED_SECTION + ".")):
+            field = key.partition(".")[2]
+            if not value and i + 1 < len(args) and not args[i + 1].startswith("--"):
+                value = args[i + 1]
+            try:  # --error_feedback.strength 0.5, or the whole section: --error_feedback '{strength: 0.5}'
+                given = yaml.safe_load(value) if value else None
+            except yaml.YAMLError:
+                given = None
+            section = {field: given} if field else given if isinstance(given, dict) else {}
+            raise CLIError(_removed_section_message(arg.split("=", 1)[0], section))
+
+
 def check_recipes(args: list[str]) -> None:
-    """Refuse recipe files that are not YAML mappings (naming the file) and any setting of the model's
+    """Refuse recipe files that are not YAML mappings (naming the file), any setting of the model's
     ``vocab_size`` (it is linked from the data module; jsonargparse would fail with "int | None is not
-    callable" or drop the value silently)."""
+    callable" or drop the value silently) and the ``error_feedback:`` section removed in 0.2.0."""
+    recipes = {}
     for path in config_paths(args):
         if not Path(path).is_file():
             continue  # jsonargparse names a missing file itself
@@ -91,6 +139,7 @@ def check_recipes(args: list[str]) -> None:
         if recipe is not None and not isinstance(recipe, dict):
             raise CLIError(f"recipe {path} must be a mapping of sections (trainer:, model:, data:, ...), "
                            f"got a {type(recipe).__name__}")
+        recipes[path] = recipe or {}
         model = (recipe or {}).get("model")
         if isinstance(model, dict):
             init_args = model.get("init_args") if isinstance(model.get("init_args"), dict) else {}
@@ -99,6 +148,7 @@ def check_recipes(args: list[str]) -> None:
     for arg in args:
         if arg.lstrip("-").split("=", 1)[0] in VOCAB_KEYS and arg.startswith("--"):
             raise CLIError(_vocab_message(arg.split("=", 1)[0]))
+    refuse_removed_sections(args, recipes)
 
 
 # ---- checks after instantiation -------------------------------------------------------------------
@@ -165,7 +215,6 @@ class AsyncCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_lightning_class_args(DelaySimulation, "delay")
         parser.set_defaults({"delay.delay": 0})
-        parser.add_class_arguments(ErrorFeedbackSection, deprecated_cli.SECTION, instantiate=False)  # (read into correction:)
         parser.add_lightning_class_args(DelayCorrection, "correction")  # recipes/corrections/<method>.yaml
         parser.set_defaults({"correction.method": "none"})
         parser.add_lightning_class_args(RunTelemetry, "telemetry")
@@ -186,11 +235,8 @@ class AsyncCLI(LightningCLI):
         self.config = parser.parse_args(args)
         try:  # LIGHTNING_ASYNC_MAX_STEPS=N: every run trains at most N steps (the docs test; run_limits.py)
             shorten_cli_config(self.config)
-            message = translate_error_feedback_section(self.config.get(self.config.get("subcommand")) or self.config)
         except ValueError as err:
             raise CLIError(str(err)) from err
-        if message:
-            warnings.warn(message, FutureWarning, stacklevel=2)
 
     def _add_instantiators(self) -> None:
         """LightningCLI's instantiators (model and data: they save the hyperparameters) and a default one
@@ -220,7 +266,7 @@ class AsyncCLI(LightningCLI):
 
     def after_instantiate_classes(self) -> None:
         check_sequence_length(self.model, self.datamodule)
-        pipeline = isinstance(self.trainer.strategy, PipelineStrategy)
+        pipeline = isinstance(self.trainer.strategy, AsyncPipelineStrategy)
         try:  # before any data is prepared or any rank starts
             if pipeline:
                 self.trainer.strategy.validate_mesh()

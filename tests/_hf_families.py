@@ -62,6 +62,7 @@ FAMILIES.update({  # variants whose forward takes another path
 
 SWEEP_STEPS = 3
 SWEEP_MICROBATCHES = 2
+SWEEP_CLIP = 1.0
 
 
 def make_family(name: str, seed: int = 0, microbatches: int | None = None, **kwargs):
@@ -90,7 +91,7 @@ def sweep_runs(names: list[str]) -> list:
     """Inside a 2-process gloo group: a 2-stage 2BW AdamW run of each family (clipping at 1.0)."""
     from _pipeline_harness import pipeline_run
 
-    return [pipeline_run(2, "2bw", "adamw", 0.0, SWEEP_STEPS, 1.0, m=SWEEP_MICROBATCHES, workload=sweep_workload(name))
+    return [pipeline_run(2, "2bw", "adamw", 0.0, SWEEP_STEPS, SWEEP_CLIP, m=SWEEP_MICROBATCHES, workload=sweep_workload(name))
             for name in names]
 
 
@@ -104,7 +105,7 @@ def dropout_modes_under_async_pipe() -> list[tuple[int, bool, bool]]:
     from test_strategy import TinyData
 
     from lightning_async.models.hf import HFCausalLM
-    from lightning_async.strategies import PipelineStrategy
+    from lightning_async.strategies import AsyncPipelineStrategy
 
     as_torchrun()
     L.seed_everything(0)
@@ -112,7 +113,7 @@ def dropout_modes_under_async_pipe() -> list[tuple[int, bool, bool]]:
     seen = set()
     for i, block in enumerate(module.model.transformer.h):
         block.mlp.dropout.register_forward_pre_hook(lambda mod, args, i=i: seen.add((i, torch.is_grad_enabled(), mod.training)))
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=PipelineStrategy(n_microbatches=2), max_steps=2,
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=AsyncPipelineStrategy(n_microbatches=2), max_steps=2,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=1, val_check_interval=1, num_sanity_val_steps=0)
     trainer.fit(module, datamodule=TinyData())
@@ -124,11 +125,64 @@ def sweep_spawn(names: list[str]) -> dict:
     return {"sweep": sweep_runs(names), "modes": dropout_modes_under_async_pipe()}
 
 
-def sweep_reference(name: str, delay: int = 1) -> dict:
-    """The single-device rule the sweep's run of ``name`` must follow (``delay=0``: plain training, a control)."""
+def own_forward_model(name: str):
+    """Family ``name``'s Hugging Face model (the weights of :func:`make_family`) trained through **its own forward**
+    (``model(input_ids=...)``), none of our units or context: the sweep's reference. The module keeps the model
+    under ``model``, so its parameter names are ``HFCausalLM``'s. Its forward returns ``(logits, router losses)``:
+    for a mixture of experts with router losses on, the documented per-layer objective (docs/models.md, Example 4;
+    Hugging Face's own ``aux_loss`` pools every layer's router logits, which no pipeline stage holds) computed
+    from the router logits the model's forward returns; ``None`` otherwise and in evaluation."""
+    import torch
+
+    from lightning_async.models.moe import balance_and_z_losses
+
+    module = make_family(name)
+
+    class OwnForward(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = module.model
+            self.moe = module.moe  # (a dataclass, not a module: no parameters of its own)
+
+        def forward(self, input_ids):
+            out = self.model(input_ids=input_ids, use_cache=False)
+            moe = self.moe
+            if moe is None or not moe.loss.active or not torch.is_grad_enabled():
+                return out.logits, None
+            routers = out.router_logits
+            assert len(routers) == moe.loss.moe_layers, (name, len(routers), moe.loss.moe_layers)
+            losses = [moe.loss.layer_loss(*balance_and_z_losses(r.reshape(-1, r.shape[-1]), moe.top_k)[:2]) for r in routers]
+            return out.logits, sum(losses)
+
+    return OwnForward()
+
+
+def own_forward_loss(output, targets):
+    """The next-token loss of :func:`own_forward_model`'s output, plus its router losses when it has them."""
+    from lightning_async.models.objective import next_token_loss
+
+    logits, router = output
+    loss = next_token_loss(logits, targets)
+    return loss if router is None else loss + router
+
+
+def own_forward_workload(name: str):
+    from functools import partial
+
+    from _pipeline_harness import Workload, eval_batch, make_batches
+
+    return Workload(partial(own_forward_model, name), make_batches, eval_batch, loss=own_forward_loss)
+
+
+def sweep_reference(name: str, delay: int = 1, clip: float | None = SWEEP_CLIP, units: bool = False) -> dict:
+    """The single-device rule the sweep's run of ``name`` must follow: the plain Hugging Face model (its own
+    forward) trained by ``DelayedOptimizer(AdamW, delay=1, pairing="2bw")`` on the sweep's micro-batches
+    (``delay=0``: plain training, a control). ``units=True``: our ``HFCausalLM`` units composed on one device
+    instead, for the test that they train as the model's own forward does."""
     from _pipeline_harness import reference_run
 
-    return reference_run("adamw", delay, 0.0, SWEEP_STEPS, 1.0, microbatches=SWEEP_MICROBATCHES, workload=sweep_workload(name))
+    workload = sweep_workload(name) if units else own_forward_workload(name)
+    return reference_run("adamw", delay, 0.0, SWEEP_STEPS, clip, microbatches=SWEEP_MICROBATCHES, workload=workload)
 ROUTED = dict(output_router_logits=True, router_aux_loss_coef=0.1)
 FAMILIES.update({  # families whose plan (or the common or GPT-2 layout) needs nothing more
     name: dict(SHAPE, head_dim=8, model_type=name)

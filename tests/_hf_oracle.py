@@ -140,11 +140,11 @@ def lightning_fit(strategy, devices: int, log_dir: str | None = None, callbacks=
 def _two_stage_spawn(log_dir: str) -> dict:
     from _pipeline_harness import as_torchrun
 
-    from lightning_async.strategies import PipelineStrategy
+    from lightning_async.strategies import AsyncPipelineStrategy
 
     out = {"oracle": _scenarios(2)}
     as_torchrun()  # Lightning runs on a fresh default group, as under torchrun
-    out["lightning"] = lightning_fit(PipelineStrategy(n_microbatches=LIGHTNING_MICROBATCHES), 2, log_dir)
+    out["lightning"] = lightning_fit(AsyncPipelineStrategy(n_microbatches=LIGHTNING_MICROBATCHES), 2, log_dir)
     return out
 
 

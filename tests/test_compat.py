@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 
 from lightning_async import compat
-from lightning_async.strategies import PipelineStrategy
+from lightning_async.strategies import AsyncPipelineStrategy
 
 
 def _trainer(**kwargs) -> L.Trainer:
@@ -54,12 +54,12 @@ def test_the_sigterm_hooks_are_the_ones_lightning_calls() -> None:
 
 
 def test_the_launchers_keep_their_shape() -> None:
-    strategy = PipelineStrategy()
+    strategy = AsyncPipelineStrategy()
     L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
     assert isinstance(strategy.launcher, compat.PipelineScriptLauncher)
     assert compat.started_processes(strategy.launcher) == [] and callable(strategy.launcher.kill)
     assert callable(getattr(compat.SpawnLauncher, "_collect_rank_zero_results", None))
-    spawn = PipelineStrategy(start_method="spawn")
+    spawn = AsyncPipelineStrategy(start_method="spawn")
     L.Trainer(accelerator="cpu", devices=2, strategy=spawn, logger=False)
     assert isinstance(spawn.launcher, compat.PipelineSpawnLauncher)
     wrapping = list(inspect.signature(compat.SpawnLauncher._wrapping_function).parameters)
@@ -87,7 +87,7 @@ def test_kill_started_reaches_the_launched_processes(signum) -> None:
     import subprocess
     import sys
 
-    strategy = PipelineStrategy()
+    strategy = AsyncPipelineStrategy()
     L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     strategy.launcher.procs = [child]

@@ -1,4 +1,4 @@
-"""The package's modules import one way (issue 23): no import circle anywhere in ``lightning_async``, counting
+"""The package's modules import one way: no import circle anywhere in ``lightning_async``, counting
 imports inside functions (a lazy import is still an arrow). ``lm -> models``, ``strategies -> callbacks ->
 pipeline -> optim``, ``tools -> compare -> identity`` (docs/architecture.md)."""
 
@@ -87,15 +87,26 @@ def test_no_import_circle_anywhere_in_the_package():
     assert cycles(graph) == []
 
 
-def test_deprecated_names_are_the_new_objects():
-    """The names renamed in issue 36 stay importable for one release, as the very objects of their new names."""
+def test_the_strategy_is_one_class_under_both_names():
     from lightning_async import AsyncPipelineStrategy as top_level
-    from lightning_async.optim import lr_schedules, schedules as old_lr_schedules
-    from lightning_async.pipeline import stage, timing
-    from lightning_async.strategies import AsyncPipelineStrategy, PipelineStrategy
+    from lightning_async.strategies import AsyncPipelineStrategy, AsyncPipelineStrategy
 
-    assert AsyncPipelineStrategy is PipelineStrategy and top_level is PipelineStrategy
-    assert stage.StageModule is stage.PieceModule
-    assert (timing.simulate, timing.simulate_lists, timing.SimResult) == (
-        timing.time_schedule, timing.time_action_lists, timing.ScheduleTiming)
-    assert old_lr_schedules.warmup_cosine is lr_schedules.warmup_cosine
+    assert AsyncPipelineStrategy is AsyncPipelineStrategy and top_level is AsyncPipelineStrategy
+
+
+def test_the_aliases_kept_for_one_release_are_gone_in_0_2():
+    """The names that 0.2.0 renamed or moved are gone (CHANGELOG.md, "Migrating from 0.1"): importing
+    one fails instead of reaching the new object."""
+    import importlib.util
+
+    from lightning_async.pipeline import memory, stage, timeline, timing
+
+    assert importlib.util.find_spec("lightning_async.optim.schedules") is None  # optim.lr_schedules
+    assert importlib.util.find_spec("lightning_async.deprecated_cli") is None  # the CLI's error_feedback: section
+    assert not hasattr(stage, "StageModule") and hasattr(stage, "PieceModule")
+    for old in ("simulate", "simulate_lists", "SimResult", "WEIGHT_GRAD_SHARE", "peak_activation_bytes",
+                "schedule_memory", "render_timeline"):
+        assert not hasattr(timing, old), old
+    moved = ["WEIGHT_GRAD_SHARE", "inflight_and_versions", "peak_activation_bytes", "schedule_memory"]
+    assert all(hasattr(memory, name) for name in moved) and hasattr(timeline, "render_timeline")
+    assert set(timing.__all__) == {"DeadlockError", "ScheduleTiming", "predict", "time_action_lists", "time_schedule"}

@@ -28,7 +28,7 @@ def two_corrections(names: str) -> ValueError:
 
 
 def pipeline_schedule(trainer: Trainer):
-    """The schedule spec of a pipeline strategy (``PipelineStrategy.schedule_spec``), ``None`` for any other
+    """The schedule spec of a pipeline strategy (``AsyncPipelineStrategy.schedule_spec``), ``None`` for any other
     strategy. (Asked of the strategy, not imported from ``strategies``: the strategy imports the callbacks.)"""
     return getattr(trainer.strategy, "schedule_spec", None)
 
@@ -93,7 +93,7 @@ def pipeline_correction_setting(trainer: Trainer, given):
     setting = active[0].settings
     if given is not None and _effective(given) != _effective(setting):
         raise ValueError(
-            f"PipelineStrategy(correction={given!r}) and a correction callback ({setting!r}) are both set; "
+            f"AsyncPipelineStrategy(correction={given!r}) and a correction callback ({setting!r}) are both set; "
             "choose one."
         )
     return setting

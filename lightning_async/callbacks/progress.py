@@ -102,6 +102,14 @@ class StepProgress(Callback):
         parts.append(timing)
         return " | ".join(parts)
 
+    def on_sanity_check_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        from lightning_async.callbacks.telemetry import initial_validation
+
+        loss = initial_validation(trainer).get(VAL_LOSS)
+        if loss is not None:  # the sanity check ran the whole validation set: the loss before training
+            self._val = (0, loss)
+            self._print(trainer, f"validation at step 0: val/loss {loss:.4f}")
+
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.sanity_checking:
             return

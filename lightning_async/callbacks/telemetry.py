@@ -33,7 +33,7 @@ def run_identity(trainer: Trainer, pl_module: LightningModule) -> dict:
     profile = sources[0].profile_label() if sources else UNIFORM_PROFILE
     schedule = pipeline_schedule(trainer)
     if schedule is not None:
-        mode, delay = (MODE_ASYNC_PIPE, 1) if schedule.delayed else (MODE_SYNC_PIPE, 0)
+        mode, delay = (MODE_ASYNC_PIPE if schedule.delayed else MODE_SYNC_PIPE), schedule.delay
     else:
         mode = MODE_DELAYED if delay else MODE_SYNC
     # what the runtime or the simulation's wrappers apply, however it was set; before fit, what is configured to
@@ -85,9 +85,31 @@ def _group_name(group: dict, index: int) -> str:
     return str(group.get("name", f"group{index}"))
 
 
+#: the learning rate of a parameter group: under ``train/`` and after ``train/loss``, so that TensorBoard's first screen
+#: shows the loss (as ``lr/<group>``, a group of its own, its charts came first: one per group, seven for Muon)
+LR_TAG = "train/lr/{}"
+
+
+def sanity_check_covers_validation(trainer: Trainer) -> bool:
+    """Whether the sanity check before training ran every batch a validation runs (``num_sanity_val_steps`` at least
+    ``limit_val_batches``): then its loss is the validation loss at step 0."""
+    sanity, full = list(trainer.num_sanity_val_batches or []), list(trainer.num_val_batches or [])
+    return bool(full) and sanity == full and all(n > 0 for n in full)
+
+
+def initial_validation(trainer: Trainer) -> dict[str, float]:
+    """At ``on_sanity_check_end`` of a fit from step 0: the validation metrics of the untrained model, when the sanity
+    check covered the whole validation set (else ``{}``)."""
+    if trainer.global_step != 0 or not sanity_check_covers_validation(trainer):
+        return {}
+    return {k: v for k, v in compat.sanity_check_metrics(trainer).items() if k.startswith("val/")}
+
+
 class RunTelemetry(Callback):
-    """Logs ``lr/<group>``, ``train/grad_norm`` (before clipping), ``train/tokens_per_sec``, the correction's
-    statistics (``correction/strength`` for adaptive EF); writes ``DONE``."""
+    """Logs ``train/lr/<group>``, ``train/grad_norm`` (before clipping), ``train/tokens_per_sec``, the correction's
+    statistics (``correction/strength`` for adaptive EF), the validation loss at step 0 when the sanity check ran the
+    whole validation set (``num_sanity_val_steps`` >= ``limit_val_batches``, as the quick start sets it); writes
+    ``DONE``."""
 
     def __init__(self, log_every_n_steps: int | None = None, label_log_dir: bool = True) -> None:
         """``label_log_dir``: the CLI puts the run's label into its log folder (:func:`label_log_dirs`)."""
@@ -114,8 +136,8 @@ class RunTelemetry(Callback):
         return trainer.global_step % max(1, n) == 0
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer) -> None:
-        if not self._every(trainer):
-            return
+        if not self._every(trainer) or pipeline_schedule(trainer) is not None:
+            return  # (a pipeline rank sees its stage's gradients only: the strategy logs the global norm it clips by)
         grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
         if grads:
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
@@ -123,7 +145,7 @@ class RunTelemetry(Callback):
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
         """Read the learning rates this batch trains with: by its end a per-step scheduler has already set the next
-        batch's (``lr/<group>`` at step ``t`` is batch ``t``'s, as ``LearningRateMonitor`` logs it)."""
+        batch's (``train/lr/<group>`` at step ``t`` is batch ``t``'s, as ``LearningRateMonitor`` logs it)."""
         self._rates = self._learning_rates(trainer) if trainer.optimizers else {}
 
     @staticmethod
@@ -144,13 +166,20 @@ class RunTelemetry(Callback):
         self._last_time = now
         if self._every(trainer) and trainer.optimizers:
             for name, lr in self._rates.items():
-                pl_module.log(f"lr/{name}", float(lr))
+                pl_module.log(LR_TAG.format(name), float(lr))
             for correction in live_corrections(trainer):  # e.g. the strength adaptive EF chose
                 for name, value in correction.statistics().items():
                     pl_module.log(f"correction/{name}", float(value))
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._last_time = None  # do not count validation time as training throughput
+
+    def on_sanity_check_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Log the untrained model's validation loss at step 0 (Lightning drops what the sanity check logged)."""
+        metrics = initial_validation(trainer)
+        if metrics and trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=0)
 
     @rank_zero_only
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -80,6 +80,20 @@ __all__ = [
 ]
 
 
+#: said instead of the PNG curves when matplotlib (the ``plots`` extra) is not installed
+NO_PLOTS = 'no PNG curves: matplotlib is not installed (pip install -e ".[plots]" adds them)'
+
+
+def plots_available() -> bool:
+    """Whether matplotlib, which draws the PNG curves, can be imported (it is the ``plots`` extra, not a dependency:
+    the table, report.md and the TensorBoard folder need none of it)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 @dataclass
 class CompareResult:
     """What :func:`compare` found and wrote."""
@@ -90,6 +104,7 @@ class CompareResult:
     report: Path | None = None
     plots: list[Path] = field(default_factory=list)
     layout_dir: Path | None = None
+    plots_note: str | None = None  # why there are no PNGs (matplotlib missing), with the command that adds them
 
     def table(self, paper: bool = False, markdown: bool = False) -> str:
         return render_tables(self.rows, paper=paper, markdown=markdown)
@@ -139,7 +154,9 @@ def compare(
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
     (out / OUTPUT_MARKER).write_text("written by lightning-async compare; not a run directory\n")
-    if plots:
+    if plots and not plots_available():
+        result.plots_note = NO_PLOTS
+    elif plots:
         from lightning_async.compare.plots import write_plots
 
         result.plots = [*write_plots(rows, out, VAL_LOSS), *write_plots(rows, out, TRAIN_LOSS)]
@@ -148,7 +165,7 @@ def compare(
     result.layout_dir = write_layout(rows, out / "tensorboard")
     result.report = write_markdown(
         out / "report.md", rows, runs, paper=paper, commands=commands, plots=result.plots,
-        layout_dir=result.layout_dir, warnings=warnings,
+        layout_dir=result.layout_dir, warnings=warnings, plots_note=result.plots_note,
     )
     return result
 
@@ -163,7 +180,8 @@ def build_parser(prog: str = "lightning-async compare") -> argparse.ArgumentPars
     parser.add_argument("paths", nargs="+", metavar="RUN_DIR", help="run directories or parents of many runs")
     parser.add_argument("--output", "-o", default=None, help="directory for report.md, PNGs and the TensorBoard layout")
     parser.add_argument("--paper", action="store_true", help="add the paper's SmolLM2-360M numbers side by side")
-    parser.add_argument("--no-plots", action="store_true", help="skip the PNG curves")
+    parser.add_argument("--no-plots", action="store_true",
+                        help="skip the PNG curves (without matplotlib, the plots extra, they are skipped anyway)")
     parser.add_argument("--skip-invalid", action="store_true", help="leave out runs without identity instead of failing")
     parser.add_argument("--gap-tolerance", type=float, default=GAP_TOLERANCE,
                         help=f"|gap| below this counts as no gap (default {GAP_TOLERANCE:g})")
@@ -192,5 +210,8 @@ def compare_main(argv: list[str] | None = None) -> int:
         print(f"\nreport: {result.report}")
         for path in result.plots:
             print(f"plot:   {path}")
-        print(f"tensorboard --logdir {result.layout_dir}  (its runs are the compared series: Scalars, Custom Scalars)")
+        if result.plots_note:
+            print(f"plots:  {result.plots_note}")
+        print(f"tensorboard --logdir {result.layout_dir}  (its runs are the compared series; the Custom Scalars tab "
+              "overlays them, one chart per group)")
     return 0

@@ -43,6 +43,14 @@ OUTPUT_MARKER = ".lightning-async-compare"  # written into compare's own output 
 VAL_LOSS = "val/loss"
 TRAIN_LOSS = "train/loss"
 VAL_LOSS_BY_TOKENS = "val/loss_by_tokens"
+#: Lightning's loggers file what optimizer step ``t`` (counted from 1) logged under TensorBoard step ``t - 1``: the
+#: validation after 300 steps sits at 299. compare reads the files as they are and reports the run's own step.
+LOGGED_STEP_OFFSET = 1
+
+
+def optimizer_step(logged_step: int | None) -> int | None:
+    """The optimizer step (counted from 1) a TensorBoard step of Lightning's stands for: ``299`` -> ``300``."""
+    return None if logged_step is None else logged_step + LOGGED_STEP_OFFSET
 
 
 class CompareError(RuntimeError):

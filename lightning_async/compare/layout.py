@@ -3,9 +3,10 @@
 ``<output>/tensorboard/`` holds one TensorBoard *run* (a subdirectory) per series: ``sync``, ``async``,
 ``async+EF``, ``async+<correction>`` (with ``-s<seed>`` when a category has several seeds). Each holds a copy of
 the compared runs' whole ``val/loss`` and ``train/loss`` curves under ``<group>/val_loss`` and
-``<group>/train_loss`` (a group is a row of the table, e.g. ``adamw``), and the top directory holds a
+``<group>/train_loss`` (a group is a row of the table, e.g. ``adamw``), and the first series folder also holds a
 custom-scalars layout (``tensorboard.plugins.custom_scalar.layout_pb2``) with one category per optimizer and,
-per group, a multiline chart of each tag. Only the compared runs are there (the single-device quick start only
+per group, a multiline chart of each tag (TensorBoard reads a layout from any run; in the top folder it made a
+run named ``.`` with nothing to plot). Only the compared runs are there (the single-device quick start only
 when it is part of the comparison).
 
 ``tensorboard --logdir <output>/tensorboard`` then shows, in *Scalars* / *Time Series* (cards by tag, series by
@@ -93,18 +94,21 @@ def layout_summary(layout):
 
 
 def read_layout(directory: Path):
-    """The custom-scalars ``Layout`` stored in the event files of ``directory`` (None if absent)."""
+    """The custom-scalars ``Layout`` stored in the event files of ``directory`` or of one of its series folders
+    (None if absent)."""
     from tensorboard.backend.event_processing import event_accumulator as ea
     from tensorboard.plugins.custom_scalar import layout_pb2, metadata
     from tensorboard.util import tensor_util
 
-    acc = ea.EventAccumulator(str(directory), size_guidance={ea.TENSORS: 0, ea.SCALARS: 0})
-    acc.Reload()
-    if metadata.CONFIG_SUMMARY_TAG not in acc.Tags().get("tensors", []):
-        return None
-    event = acc.Tensors(metadata.CONFIG_SUMMARY_TAG)[-1]
-    raw = tensor_util.make_ndarray(event.tensor_proto).item()
-    return layout_pb2.Layout.FromString(raw)
+    directory = Path(directory)
+    for folder in [directory, *sorted(p for p in directory.iterdir() if p.is_dir())]:
+        acc = ea.EventAccumulator(str(folder), size_guidance={ea.TENSORS: 0, ea.SCALARS: 0})
+        acc.Reload()
+        if metadata.CONFIG_SUMMARY_TAG in acc.Tags().get("tensors", []):
+            event = acc.Tensors(metadata.CONFIG_SUMMARY_TAG)[-1]
+            raw = tensor_util.make_ndarray(event.tensor_proto).item()
+            return layout_pb2.Layout.FromString(raw)
+    return None
 
 
 def _clear(output: Path) -> None:
@@ -128,14 +132,14 @@ def _write_events(directory: Path, events) -> None:
 
 
 def write_layout(rows: list[Row], output: Path) -> Path:
-    """Write the layout (``output``) and one series folder per category and seed (``output/<series>``) holding the
-    groups' copies of :data:`COPIED_TAGS`; return ``output``."""
+    """Write one series folder per category and seed (``output/<series>``) holding the groups' copies of
+    :data:`COPIED_TAGS`, the first of them with the layout too; return ``output``."""
     from tensorboard.compat.proto import event_pb2, summary_pb2
 
     output.mkdir(parents=True, exist_ok=True)
     _clear(output)
     wall = time.time()
-    _write_events(output, [event_pb2.Event(wall_time=wall, step=0, summary=layout_summary(build_layout(rows)))])
+    layout = event_pb2.Event(wall_time=wall, step=0, summary=layout_summary(build_layout(rows)))
     series: dict[str, list] = {}
     for row in rows:
         for name, run in series_runs(row):
@@ -146,6 +150,8 @@ def write_layout(rows: list[Row], output: Path) -> Path:
                         value=[summary_pb2.Summary.Value(tag=copied, simple_value=value)]))
                     for step, value in run.series(tag)
                 )
-    for name, events in series.items():
-        _write_events(output / name, events)
+    if not series:  # nothing logged a compared tag: the layout still needs a folder (a run) to live in
+        series["sync"] = []
+    for i, (name, events) in enumerate(series.items()):
+        _write_events(output / name, [layout, *events] if i == 0 else events)
     return output

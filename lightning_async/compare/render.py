@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lightning_async.compare.events import ASYNC, SYNC, Run
+from lightning_async.compare.events import ASYNC, SYNC, Run, optimizer_step
 from lightning_async.compare.ranking import recommend
 from lightning_async.compare.paper import NEWS, PAPER_BY_OPTIMIZER, PAPER_RESULTS, PAPER_SUMMARY, SOURCES, PaperResult
 from lightning_async.compare.rows import GAP_TOLERANCE, Row, format_setting
@@ -103,15 +103,16 @@ def table_headers(corrections: tuple[str, ...] = (EF,)) -> tuple[str, ...]:
 HEADERS = table_headers()  # the columns of a table with EF only
 
 
-def _columns(rows: list[Row]) -> tuple[str, ...]:
-    return tuple(correction_order([EF] + [c for r in rows for c in r.corrections]))
+def _columns(rows: list[Row], paper: bool = False) -> tuple[str, ...]:
+    """The correction columns of ``rows`` (none when no run applies a correction); ``paper`` adds EF, the paper's."""
+    return tuple(correction_order([EF] * paper + [c for r in rows for c in r.corrections]))
 
 
 def table_cells(rows: list[Row], digits: int = 3, corrections: tuple[str, ...] | None = None) -> list[list[str]]:
     """One line of cells per row, in the order of :func:`table_headers` (``corrections``: the rows' columns)."""
     corrections = _columns(rows) if corrections is None else corrections
     return [
-        [row.label, "n/a" if row.step is None else str(row.step)]
+        [row.label, "n/a" if row.step is None else str(row.optimizer_step)]
         + [fmt_cell(row, c, digits) for c in (SYNC, ASYNC) + tuple(map(correction_category, corrections))]
         + [fmt_gap(row, digits)]
         + [fmt_recovered(row, c) for c in corrections]
@@ -175,7 +176,7 @@ def render_tables(rows: list[Row], *, paper: bool = False, markdown: bool = Fals
     """The gap table per optimizer (one block per optimizer, the same columns in each), plus the paper's
     numbers if asked."""
     render = markdown_table if markdown else text_table
-    corrections = _columns(rows)
+    corrections = _columns(rows, paper)
     columns = table_headers(corrections)
     blocks = []
     for optimizer in dict.fromkeys(r.optimizer for r in rows):
@@ -217,7 +218,7 @@ def run_list_cells(runs: list[Run]) -> list[list[str]]:
         cells.append([
             run.name, ident.optimizer, ident.mode, run.category, format_setting(ident.lr), str(ident.delay),
             ident.delay_profile, _correction_cell(run), "-" if ident.seed is None else str(ident.seed),
-            "-" if run.last_step is None else str(run.last_step),
+            "-" if run.last_step is None else str(optimizer_step(run.last_step)),
             "no val/loss" if loss is None else f"{loss:.4f}", run.status, str(run.path),
         ])
     return cells
@@ -227,24 +228,38 @@ RUN_HEADERS = ("run", "optimizer", "mode", "class", "lr", "delay", "delay profil
                "last step", "last val/loss", "status", "path")
 
 
-def explanation(rows: list[Row]) -> str:
-    """The paragraph above the tables: what each column means and how its interval is made."""
-    others = [c for c in _columns(rows) if c != EF]
+def explanation(rows: list[Row], paper: bool = False) -> str:
+    """The paragraph above the tables: what each column means, and how its interval is made only when some mode
+    has several seeds to make one from (two runs, sync and async, get the plain difference)."""
+    corrections = _columns(rows, paper)
+    seeded = any(row.seeds > 1 for row in rows)
     level = f"{100 * LEVEL:g}%"
-    return (
-        "Validation loss (`val/loss`) at the row's *step*: the last step at which every run of the row logged it "
-        "(the runs' final step when they have the same length), mean ± sample std over seeds (n = seeds). Diverged "
-        "runs (a `DIVERGED` marker or a non-finite loss) are marked DIVERGED and left out of every number. "
-        f"gap = async - sync (in % of sync), paired by seed, with the {level} Student t interval of the per-seed "
-        "gaps. EF recovered = (async - async+EF) / (async - sync) on the seeds that ran all three modes, with "
-        f"Fieller's {level} interval for that ratio of paired means: 100% means EF closes the whole gap, 0% that it "
-        "does nothing, negative that it hurts"
-        + (f"; {', '.join(recovered_header(c) for c in others)}: the same share for that correction "
-           "(async+<correction> in place of async+EF)" if others else "")
-        + f"; n/a when a mode is missing, |gap| < {GAP_TOLERANCE:g}, or the gap's own {level} interval includes 0 "
-        "(a share of a gap not told apart from zero has no bounded interval). With one seed there is no interval: "
-        "a single seed's share can move by tens of points between seeds."
+    text = (
+        "Validation loss (`val/loss`) at the row's *step*: the last optimizer step at which every run of the row "
+        "logged it (the runs' final step when they have the same length)"
+        + (", mean ± sample std over seeds (n = seeds)" if seeded else "")
+        + ". Diverged runs (a `DIVERGED` marker or a non-finite loss) are marked DIVERGED and left out of every "
+        "number. gap = async - sync (in % of sync)"
+        + (f", paired by seed, with the {level} Student t interval of the per-seed gaps" if seeded else "") + "."
     )
+    if corrections:
+        first, others = corrections[0], corrections[1:]
+        name = "EF" if first == EF else first
+        text += (
+            f" {recovered_header(first)} = (async - {correction_category(first)}) / (async - sync)"
+            + (f" on the seeds that ran all three modes, with Fieller's {level} interval for that ratio of paired means"
+               if seeded else "")
+            + f": 100% means {name} closes the whole gap, 0% that it does nothing, negative that it hurts"
+            + (f"; {', '.join(recovered_header(c) for c in others)}: the same share for that correction "
+               f"(async+<correction> in place of {correction_category(first)})" if others else "")
+            + f"; n/a when a mode is missing, |gap| < {GAP_TOLERANCE:g}"
+            + (f", or the gap's own {level} interval includes 0 (a share of a gap not told apart from zero has no "
+               "bounded interval)" if seeded else "") + "."
+        )
+    if seeded:
+        return text + " With one seed there is no interval: a single seed's share can move by tens of points between seeds."
+    return text + (" One run per mode: no intervals (a single seed's gap can move between seeds; runs of several seeds "
+                   "get means, standard deviations and 95% intervals).")
 
 
 def write_markdown(
@@ -257,26 +272,29 @@ def write_markdown(
     plots: list[Path] | None = None,
     layout_dir: Path | None = None,
     warnings: list[str] | None = None,
+    plots_note: str | None = None,
 ) -> Path:
-    """``report.md``: the tables, notes, plots, the run list and the commands that produced them."""
-    corrected = [correction_category(c) for c in _columns(rows)]
-    lines = [f"# Sync vs async vs {' vs '.join(corrected)}", "", explanation(rows), "",
+    """``report.md``: the tables, notes, plots (or ``plots_note``, why there are none), the run list and the commands
+    that produced them."""
+    title = " vs ".join(["Sync", "async", *(correction_category(c) for c in _columns(rows, paper))])
+    lines = [f"# {title}", "", explanation(rows, paper), "",
              render_tables(rows, paper=paper, markdown=True), ""]
     verdicts = correction_verdicts(rows)
     if verdicts:
         lines += ["## Which correction (paired by seed)", ""] + [f"- {v}" for v in verdicts] + [""]
     if warnings:
         lines += ["## Warnings", ""] + [f"- {w}" for w in warnings] + [""]
-    if plots:
+    if plots or plots_note:
         lines += ["## Curves", ""]
-        lines += [f"![{p.stem}]({p.name})" for p in plots] + [""]
+        lines += [f"![{p.stem}]({p.name})" for p in plots or []] + ([plots_note] if plots_note else []) + [""]
     if layout_dir is not None:
+        shown = dict.fromkeys(c for r in rows for c in r.categories if r.runs.get(c))
         lines += [
             "## TensorBoard",
             "",
-            f"`tensorboard --logdir {layout_dir}` shows the same curves: its runs are the compared series (sync, "
-            "async, async+EF, ...), with `<group>/val_loss` and `<group>/train_loss` under *Scalars* and one section "
-            "per optimizer under *Custom Scalars*.",
+            f"`tensorboard --logdir {layout_dir}` shows the same curves: its runs are the compared series "
+            f"({', '.join(shown)}), with `<group>/val_loss` and `<group>/train_loss` under *Scalars*; its *Custom "
+            "Scalars* tab has one section per optimizer, each chart overlaying the series.",
             "",
         ]
     lines += ["## Runs", "", markdown_table(RUN_HEADERS, run_list_cells(runs)), ""]

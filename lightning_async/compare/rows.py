@@ -8,7 +8,7 @@ same optimizer step, the row's ``step``: the last step at which all its runs log
 marked, never averaged. For each row:
 
 * ``sync``, ``async``, ``async+EF``, ``async+<correction>``: ``val/loss`` at ``step`` per seed, summarised
-  as mean and sample standard deviation (one column per correction present in the runs; ``async+EF`` always);
+  as mean and sample standard deviation (one column per correction some run applies; none without corrected runs);
 * ``gap = async - sync``, paired by seed: the mean of the per-seed gaps with its Student t interval
   (:func:`~lightning_async.compare.statistics.mean_interval`, 95%);
 * ``<correction> recovered = (async - async+<correction>) / (async - sync)`` on the means of the seeds that
@@ -28,7 +28,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from lightning_async.compare.events import ASYNC, ASYNC_EF, SYNC, CompareError, Run
+from lightning_async.compare.events import ASYNC, ASYNC_EF, SYNC, CompareError, Run, optimizer_step
 from lightning_async.compare.selection import describe_slot, lr_key
 from lightning_async.compare.statistics import (
     LEVEL,
@@ -55,7 +55,9 @@ class Row:
     """One line of the gap table.
 
     ``strengths`` holds the strength of each correction whose runs are in the row; ``corrections`` the
-    table's correction columns (``ef`` first); ``varied`` the corrections whose strength the label shows.
+    table's correction columns (``ef`` first; empty when no run applies a correction); ``varied`` the corrections
+    whose strength the label shows. ``step`` is the TensorBoard step the row is read at (Lightning's: the optimizer
+    step minus one); ``optimizer_step`` the step a table shows.
     """
 
     optimizer: str
@@ -63,7 +65,7 @@ class Row:
     delay: int | None = None
     delay_profile: str | None = None
     strengths: dict[str, float] = field(default_factory=dict)
-    corrections: tuple[str, ...] = (EF,)
+    corrections: tuple[str, ...] = ()
     show_lr: bool = False
     show_delay: bool = False
     show_profile: bool = False
@@ -105,8 +107,13 @@ class Row:
         common = set(usable[0].val_steps).intersection(*(r.val_steps for r in usable[1:]))
         return max(common) if common else None
 
+    @property
+    def optimizer_step(self) -> int | None:
+        """:attr:`step` as the runs count it (TensorBoard step 299 is the validation after step 300)."""
+        return optimizer_step(self.step)
+
     def last_steps(self) -> dict[str, list[int]]:
-        """category -> the distinct last ``val/loss`` steps of its usable runs."""
+        """category -> the distinct last ``val/loss`` steps (TensorBoard's) of its usable runs."""
         return {c: sorted({r.val_steps[-1] for r in self.usable_runs(c)}) for c in self.categories
                 if self.usable_runs(c)}
 
@@ -278,8 +285,9 @@ def format_setting(x: float | None) -> str:
 
 
 def table_corrections(runs: list[Run]) -> tuple[str, ...]:
-    """The correction columns of a table of ``runs``: ``ef`` always, then each correction some run applies."""
-    return tuple(correction_order([EF] + [r.identity.correction for r in runs if r.identity.corrected]))
+    """The correction columns of a table of ``runs``: each correction some run applies (``ef`` first); none when no
+    run applies one (two runs, sync and async, make a table of sync, async and the gap)."""
+    return tuple(correction_order([r.identity.correction for r in runs if r.identity.corrected]))
 
 
 def _strength_choices(delayed: list[Run], corrections: tuple[str, ...]) -> dict[str, list[float]]:
@@ -351,7 +359,7 @@ def check_comparable(rows: list[Row]) -> list[str]:
                             "shown as n/a. Validate at the same steps (e.g. the same val_check_interval)")
         elif len({s for steps in ends.values() for s in steps}) > 1:
             warnings.append(f"{row.label}: runs end at different steps ({_ends(ends)}); compared at step "
-                            f"{row.step}, the last step at which every run of the row logged val/loss")
+                            f"{row.optimizer_step}, the last step at which every run of the row logged val/loss")
         missing = row.missing()
         if missing:
             warnings.append(f"{row.label}: no finished runs with val/loss for {', '.join(missing)}; shown as n/a")
@@ -366,4 +374,4 @@ def check_comparable(rows: list[Row]) -> list[str]:
 
 
 def _ends(ends: dict[str, list[int]]) -> str:
-    return ", ".join(f"{c} {'/'.join(map(str, steps))}" for c, steps in ends.items())
+    return ", ".join(f"{c} {'/'.join(str(optimizer_step(s)) for s in steps)}" for c, steps in ends.items())

@@ -69,6 +69,18 @@ def dtype_for_vocab(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 1 << 16 else "uint32"
 
 
+#: seconds of tokenizing before a bar appears: a fast cache build (the quick start's, about a second) shows none
+PROGRESS_DELAY_S = 2.0
+
+
+def progress_bar_settings(progress: bool, total: int | None, desc: str) -> dict[str, Any]:
+    """tqdm's arguments for the tokenizing bar: only in a terminal (``disable=None``: off when stderr is not one, where
+    its redraws were a stray ``0.00tok [00:00, ?tok/s]`` in the log) and only after :data:`PROGRESS_DELAY_S`, so that
+    it never shows an empty count; the ``data: ... cache built: N tokens`` line says what was done either way."""
+    return dict(total=total, desc=desc, unit="tok", unit_scale=True, leave=False, delay=PROGRESS_DELAY_S,
+                disable=None if progress else True)
+
+
 class TokenCache:
     """One tokenized split on disk: ``<cache_dir>/tokens/<name>-<key>.{bin,json}``."""
 
@@ -132,9 +144,7 @@ class TokenCache:
         np_dtype = np.dtype(dtype)
         limit = np.iinfo(np_dtype).max
         try:
-            with open(tmp, "wb") as f, tqdm(
-                total=max_tokens, desc=desc, unit="tok", unit_scale=True, disable=not progress, leave=False
-            ) as bar:
+            with open(tmp, "wb") as f, tqdm(**progress_bar_settings(progress, max_tokens, desc)) as bar:
                 for ids in chunks:
                     if max_tokens is not None and count + len(ids) > max_tokens:
                         ids = ids[: max_tokens - count]

@@ -41,6 +41,6 @@ def refuse_local_hooks(model: nn.Module) -> None:
                     raise TypeError(
                         f"The module at {name or 'model'!r} has a hook {fn.__qualname__!r} (a local function), which cannot "
                         "be pickled for the processes of the spawn launcher. Remove the hook before trainer.fit, or launch "
-                        "with start_method='popen' (the default of PipelineStrategy; the lightning-async CLI uses it)."
+                        "with start_method='popen' (the default of AsyncPipelineStrategy; the lightning-async CLI uses it)."
                     )
 

@@ -32,6 +32,7 @@ from torch.optim import Optimizer
 from lightning_async.optim.closure import evaluate_closure
 from lightning_async.optim.corrections import FORWARD, Correction, ErrorFeedbackCorrection
 from lightning_async.optim.delayed_step import delayed_step
+from lightning_async.optim.clock import PieceClock
 
 PAIRINGS = ("fifo", "2bw")
 
@@ -219,23 +220,28 @@ class DelayedOptimizer(OptimizerWrapper):
         newest = [t.clone() for t in current] if self.correction.enabled else current
         delayed_step(self.optimizer, params, grads, newest, current, self.correction)
 
+    def clocks(self) -> list[PieceClock]:
+        """Each parameter's update clock (the pipeline's: its versions, which one a step reads and writes)."""
+        return [PieceClock(k) for k in self.delays()]
+
     def _stash_step(self) -> None:
         params = self.params
-        delays = self.delays()
-        if self._rings is None:
-            self._rings = [deque([p.data] + [p.data.clone() for _ in range(k)]) for p, k in zip(params, delays)]
+        clocks = self.clocks()
+        if self._rings is None:  # per parameter, the clock's versions oldest first: ring[0] is V(t), ring[-1] the newest
+            self._rings = [deque([p.data] + [p.data.clone() for _ in range(c.versions - 1)]) for p, c in zip(params, clocks)]
         rings = self._rings
         predicting = self.correction.enabled and self.correction.level == FORWARD
-        # the versions the next forwards read: ring[1] once ring[0] (this batch's) is freed; predicted from both
+        # the versions the next forwards read: V(t + 1), ring[1] once ring[0] (this batch's) is freed; predicted
         following = [
-            self.correction.predict_(p, ring[1], ring[0], k) if predicting and k else ring[min(1, k)]
-            for p, ring, k in zip(params, rings, delays)
+            ring[0] if c.applies_at_once else self.correction.predict_(p, ring[1], ring[0], c.delay) if predicting else ring[1]
+            for p, ring, c in zip(params, rings, clocks)
         ]
         newest = [ring[-1] for ring in rings]
-        out = [ring.popleft() if k else ring[0] for ring, k in zip(rings, delays)]  # free once its gradient exists
+        # the update lands in the slot of V(t), free once its gradient exists (in place when applied at once)
+        out = [ring[0] if c.applies_at_once else ring.popleft() for ring, c in zip(rings, clocks)]
         delayed_step(self.optimizer, params, self._take_grads(), newest, out, self.correction)
-        for ring, k, version in zip(rings, delays, out):
-            if k:
+        for ring, c, version in zip(rings, clocks, out):
+            if not c.applies_at_once:
                 ring.append(version)
         for p, forward_weights in zip(params, following):
             p.data = forward_weights

@@ -24,15 +24,6 @@ __all__ = ["WEIGHT_GRAD_SHARE", "inflight_and_versions", "peak_activation_bytes"
 WEIGHT_GRAD_SHARE = 0.7
 
 
-def _version_used(schedule: ScheduleSpec, batch: int) -> int:
-    """Number of updates contained in the weights that ``batch`` runs on.
-
-    Flushing schedules use the newest weights, ``W_b`` (updates ``U(0..b-1)``). 2BW uses ``V(b)``: updates
-    ``U(0..b-2)``, i.e. ``max(b - 1, 0)`` of them (``V(0) = V(1) = W0``).
-    """
-    return max(batch - 1, 0) if schedule.delayed else batch
-
-
 def _activation_changes(a: Action, full: float, residue: float) -> tuple[float, float]:
     """``(change of the activation bytes held, change of the micro-batches held in full)`` after action ``a`` on a
     piece whose micro-batch saves ``full`` bytes for its backward and keeps ``residue`` of them from ``I`` to ``W``:
@@ -87,7 +78,9 @@ def inflight_and_versions(schedule: "str | ScheduleSpec", lists: Sequence[Sequen
     s_ = spec(schedule)
     last = WEIGHT_GRAD if s_.split_backward else BACKWARD
     peaks, versions = [], []
-    for actions in lists:
+    clock = s_.clock(len(lists))
+    for rank, actions in enumerate(lists):
+        versions_read = clock.rank(rank).updates_read
         reading: dict[int, int] = {}  # batch -> (chunk, micro-batch) pairs whose last backward action is to come
         updates, peak, live_peak, count = 0, 0, 1, 0
         for a in actions:
@@ -101,7 +94,7 @@ def inflight_and_versions(schedule: "str | ScheduleSpec", lists: Sequence[Sequen
             elif a.kind == UPDATE:
                 updates += 1
             peak = max(peak, count)
-            live = {updates} | {_version_used(s_, b) for b in reading}
+            live = {updates} | {versions_read(b) for b in reading}
             live_peak = max(live_peak, len(live))
         peaks.append(peak / s_.chunks if s_.chunks > 1 else peak)
         versions.append(live_peak)
@@ -162,9 +155,11 @@ def schedule_memory(
     residue = None if weight_grad_bytes is None else per_piece(weight_grad_bytes, s_, p, "weight_grad_bytes")
     activations = peak_activation_bytes(s_, lists, piece_bytes, residue)
     grads = params if grad_bytes is None else per(grad_bytes, "grad_bytes")
-    weight_copies = s_.weight_versions + (1 if fsdp and s_.weight_versions > 1 else 0)
+    clock = s_.clock(p)
     out = []
     for r in range(p):
+        versions = clock.rank(r).versions
+        weight_copies = versions + (1 if fsdp and versions > 1 else 0)  # (FSDP: the parameters' shards beside them)
         row = {
             "weights": weight_copies * params[r] // (data_parallel_size if fsdp else 1), "gradients": grads[r],
             "optimizer": opt[r] // share,

@@ -27,7 +27,7 @@ from torchmetrics import Metric
 
 from lightning_async.pipeline.boundary import rows
 from lightning_async.pipeline.p2p import PeerFailure
-from lightning_async.pipeline.runtime import wait_collectives
+from lightning_async.pipeline.collectives import wait_collectives
 
 TRAIN = "train"
 

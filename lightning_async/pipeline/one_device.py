@@ -33,6 +33,7 @@ import warnings
 
 import torch
 
+from lightning_async.optim.clock import PieceClock
 from lightning_async.pipeline import checkpoint as layout
 from lightning_async.pipeline import distributed_checkpoint as distributed
 
@@ -89,7 +90,7 @@ def to_one_device(directory: str | os.PathLike, out: str | os.PathLike, module: 
     path = layout.resolve(directory)
     if layout.read_meta(path).get("format") != "dcp":
         raise ValueError(f"{path} is a pipeline checkpoint of stage files, not of checkpoint_format='dcp': resume it once "
-                         "with PipelineStrategy(checkpoint_format='dcp') on its own layout and save, then convert that.")
+                         "with AsyncPipelineStrategy(checkpoint_format='dcp') on its own layout and save, then convert that.")
     keys = distributed.saved_keys(path)
     _check_shapes(path, {k[len(distributed.MODEL):]: m.size for k, m in keys.items() if k.startswith(distributed.MODEL)
                          and isinstance(m, distributed.dcp.TensorStorageMetadata)}, module)
@@ -137,7 +138,7 @@ def _delay_state(path: str, saved: dict, count: int) -> dict:
 def to_pipeline(ckpt: str | os.PathLike, out: str | os.PathLike, module: torch.nn.Module,
                 optimizer: torch.optim.Optimizer | None = None) -> dict:
     """Write the one-device Lightning checkpoint ``ckpt`` of a ``DelaySimulation(delay=1)`` run of ``module`` as a
-    pipeline DCP checkpoint directory ``out`` (``PipelineStrategy(schedule="2bw", checkpoint_format="dcp")``
+    pipeline DCP checkpoint directory ``out`` (``AsyncPipelineStrategy(schedule="2bw", checkpoint_format="dcp")``
     resumes it on any stage count, split and replica count); return ``meta.json``'s content."""
     path = os.fspath(ckpt)
     if os.path.isdir(path):
@@ -154,7 +155,7 @@ def to_pipeline(ckpt: str | os.PathLike, out: str | os.PathLike, module: torch.n
     newest = [checkpoint["state_dict"][names[id(p)][0]] for p in params]
     rings = own.get("rings") or [[w, w] for w in newest]  # (saved before the first step: one version)
     older = [ring[0] for ring in rings]
-    newest_slot = (own["steps_taken"] + 1) % 2  # the runtime's batch b reads slot b % 2: the older version
+    newest_slot = PieceClock(1).write_slot(own["steps_taken"] - 1)  # where the last update landed (2BW's clock)
     runtime = {"schedule": DELAYED_SCHEDULE, "batches_done": own["steps_taken"], "newest_slot": newest_slot,
                "slots": [newest, older] if newest_slot == 0 else [older, newest], "correction": own.get("correction")}
     rest = {k: v for k, v in checkpoint.items() if k not in ("optimizer_states", *_RUNTIME_KEYS)}

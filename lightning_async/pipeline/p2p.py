@@ -42,7 +42,6 @@ back for the leaves that required grad only (integer leaves never do).
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -106,6 +105,7 @@ class StageTransport:
     ) -> None:
         self.group, self.device = group, device
         self.rank_of_piece, self.stage_of_rank, self.name = rank_of_piece, stage_of_rank, name
+        self._peers: dict[int, int] = {}  # piece -> its rank (``rank_of_piece``, asked once per piece)
         #: post the next action's receive before the current action (default: on gloo only)
         self._gloo = dist.is_initialized() and dist.get_backend(group) == "gloo"
         self.prepost_enabled = self._gloo if prepost is None else prepost
@@ -153,8 +153,18 @@ class StageTransport:
         """Forget a received or pre-posted message after a failed call (the pipeline will not continue)."""
         self._inbox = None
 
+    def _peer(self, piece: int) -> int:
+        """``rank_of_piece(piece)``, remembered (the placement does not change)."""
+        peer = self._peers.get(piece)
+        if peer is None:
+            peer = self._peers[piece] = self.rank_of_piece(piece)
+        return peer
+
     def _reap(self) -> None:
-        """Free the sends that report completion (NCCL: their kernel ran; gloo: only once waited)."""
+        """Free the sends that report completion (NCCL: their kernel ran; gloo: only once waited, so there is nothing
+        to look at: :meth:`begin_call` and :meth:`flush` free them)."""
+        if self._gloo:
+            return
         self._pending_sends = [entry for entry in self._pending_sends if not all(w.is_completed() for w in entry[0])]
 
     def begin_call(self) -> None:
@@ -177,22 +187,23 @@ class StageTransport:
         self._reap()
 
     # -- helpers --------------------------------------------------------------------------------
-    @contextmanager
-    def _talking_to(self, peer: int):
+    def _talking_to(self, peer: int) -> "_TalkingTo":
         """Turn a communication error with ``peer`` (posting or waiting: gloo raises ``RuntimeError`` as soon as a
         dead peer's connection resets, NCCL ``DistBackendError``) into a :class:`PeerFailure` naming it."""
-        try:
-            yield
-        except Exception as err:
-            raise PeerFailure(
-                f"Pipeline stage {self.stage_of_rank(peer)} (global rank {peer}) stopped answering: {err}. "
-                "Look at that rank's log for the original error."
-            ) from err
+        return _TalkingTo(self, peer)
+
+    def _failure(self, peer: int, err: Exception) -> PeerFailure:
+        return PeerFailure(
+            f"Pipeline stage {self.stage_of_rank(peer)} (global rank {peer}) stopped answering: {err}. "
+            "Look at that rank's log for the original error."
+        )
 
     def _wait(self, works, peer: int) -> None:
-        with self._talking_to(peer):
+        try:
             for w in works:
                 w.wait()
+        except Exception as err:
+            raise self._failure(peer, err) from err
 
     def _send_header(self, spec: BoundarySpec, peer: int, tag: int) -> None:
         self.headers_sent += 1
@@ -247,7 +258,7 @@ class StageTransport:
         if send is not None:
             value, kind, piece = send
             target = piece + 1 if kind == "act" else piece - 1
-            send_peer, tag = self.rank_of_piece(target), self._tag(target, kind)
+            send_peer, tag = self._peer(target), self._tag(target, kind)
             sent = self._activation_tensors(value, piece, send_peer) if kind == "act" else [g.contiguous() for g in value]
             ops += [dist.P2POp(dist.isend, x, send_peer, group=self.group, tag=tag) for x in sent]
         if recv is not None:
@@ -316,11 +327,29 @@ class StageTransport:
     def _recv_buffers(self, kind: str, piece: int) -> tuple[list[torch.Tensor], int, int]:
         tag = self._tag(piece, kind)
         if kind == "act":
-            peer = self.rank_of_piece(piece - 1)
+            peer = self._peer(piece - 1)
             if piece not in self.act_spec:
                 self.act_spec[piece] = self._receive_header(peer, tag)
             specs = [(d, s) for d, s, _ in self.act_spec[piece].leaves]
         else:
-            peer = self.rank_of_piece(piece + 1)
+            peer = self._peer(piece + 1)
             specs = self.sent_spec[piece].grads
         return [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in specs], peer, tag
+
+
+class _TalkingTo:
+    """:meth:`StageTransport._talking_to`'s context (a class: a generator-based one costs a few microseconds, several
+    times per action)."""
+
+    __slots__ = ("transport", "peer")
+
+    def __init__(self, transport: StageTransport, peer: int) -> None:
+        self.transport, self.peer = transport, peer
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, err, traceback) -> bool:
+        if kind is not None and issubclass(kind, Exception):
+            raise self.transport._failure(self.peer, err) from err
+        return False

@@ -29,7 +29,9 @@ Step kinds:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
+from lightning_async.pipeline.schedule_text import message_grid
 from lightning_async.pipeline.schedules import (
     BACKWARD, FORWARD, GRADIENT_ACTIONS, INPUT_GRAD, UPDATE, WEIGHT_GRAD, Action, ScheduleSpec, spec,
 )
@@ -40,7 +42,7 @@ COMPUTE = (FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD)
 Channel = tuple[str, int]  # (kind "act" or "grad", the receiving piece)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Step:
     """One step of a rank's program (see the module docstring)."""
 
@@ -84,22 +86,28 @@ def _channels(spec: ScheduleSpec, rank: int, num_stages: int, action: Action) ->
     return piece, None, False, None, False  # W: nothing crosses a boundary
 
 
+@lru_cache(maxsize=256)
+def _rank_clock(spec: ScheduleSpec, num_stages: int, rank: int):
+    """``spec.clock(num_stages).rank(rank)``, built once per schedule, size and rank (:func:`lower` runs per call)."""
+    return spec.clock(num_stages).rank(rank)
+
+
 def lower(spec: ScheduleSpec, rank: int, num_stages: int, actions: tuple[Action, ...] | list[Action],
           start: tuple[int, ...] = (), apply_first: tuple[int, ...] = (), apply_last: tuple[int, ...] = ()) -> tuple[Step, ...]:
     """The program of ``actions`` (one call's, or a drain's) on ``rank``.
 
     ``start``: batches whose held-back reductions start first (``START_REDUCTIONS``). ``apply_first`` /
     ``apply_last``: batches whose updates are applied (with a ``barrier``) before the first / after the last step
-    (a call ``b`` reads the version of update ``b - 2`` under 2BW, ``b - 1`` on a flushing schedule; a drain
-    applies every update). Every ``U`` becomes ``BEGIN_UPDATE``, followed at once by ``APPLY_UPDATE`` on a
-    flushing schedule.
+    (the clock's ``due_before(call)``; a drain applies every update). Every ``U`` becomes ``BEGIN_UPDATE``,
+    followed at once by ``APPLY_UPDATE`` where the rank's clock applies updates at once (a flushing schedule).
     """
+    clock = _rank_clock(spec, num_stages, rank)
     raw: list[dict] = [dict(kind=START_REDUCTIONS, batch=b) for b in start]
     raw += [dict(kind=APPLY_UPDATE, batch=b, barrier=True) for b in apply_first]
     for a in actions:
         if a.kind == UPDATE:
             raw.append(dict(kind=BEGIN_UPDATE, batch=a.batch, microbatch=a.microbatch))
-            if spec.flushes:
+            if clock.applies_at_once:
                 raw.append(dict(kind=APPLY_UPDATE, batch=a.batch, microbatch=a.microbatch))
             continue
         if a.kind not in COMPUTE:
@@ -115,9 +123,42 @@ def lower(spec: ScheduleSpec, rank: int, num_stages: int, actions: tuple[Action,
         nxt = receives[k + 1] if k + 1 < len(raw) else None
         compute_or_begin = raw[k]["kind"] in (*COMPUTE, BEGIN_UPDATE)
         steps.append(Step(**raw[k], prepost=ahead if compute_or_begin else None, next_receive=nxt,
-                          poll=spec.delayed and compute_or_begin))
+                          poll=not clock.applies_at_once and compute_or_begin))
         ahead = receives[k] or ahead
     return tuple(reversed(steps))
+
+
+class CallPrograms:
+    """One rank's lowered programs, cached per call shape (the runtime lowers every training call).
+
+    Lowering passes batch and micro-batch numbers through unchanged, so a call's program relative to its batch ``b``
+    (batches as ``batch - b``, micro-batches as ``microbatch - b * m``) depends only on the call's shape: warm-up,
+    steady state, a drain, which held-back reductions start and which updates are due first and last. :meth:`get`
+    returns that relative program, lowered once per shape; the dispatcher adds ``b`` and ``b * m`` back.
+    """
+
+    def __init__(self, spec: ScheduleSpec, rank: int, num_stages: int, n_microbatches: int, size: int = 64) -> None:
+        self.spec, self.rank, self.num_stages, self.n_microbatches, self.size = spec, rank, num_stages, n_microbatches, size
+        self._programs: dict[tuple, tuple[Step, ...]] = {}
+        self.lowered = 0  # programs lowered so far (cache misses; for tests and benchmarks)
+
+    def get(self, actions: tuple[Action, ...] | list[Action], batch: int, start: tuple[int, ...] = (),
+            apply_first: tuple[int, ...] = (), apply_last: tuple[int, ...] = ()) -> tuple[Step, ...]:
+        """The program of ``actions`` (see :func:`lower`) relative to ``batch``."""
+        mb0 = batch * self.n_microbatches
+        key = (tuple([(a.kind, a.microbatch - mb0, a.batch - batch, a.chunk) for a in actions]),
+               tuple([b - batch for b in start]), tuple([b - batch for b in apply_first]),
+               tuple([b - batch for b in apply_last]))
+        program = self._programs.get(key)
+        if program is None:
+            if len(self._programs) >= self.size:
+                self._programs.clear()
+            relative = [Action(kind, mb, b, chunk) for kind, mb, b, chunk in key[0]]
+            program = lower(self.spec, self.rank, self.num_stages, relative, start=key[1], apply_first=key[2],
+                            apply_last=key[3])
+            self._programs[key] = program
+            self.lowered += 1
+        return program
 
 
 def messages(spec: ScheduleSpec, program: tuple[Step, ...] | list[Step], rank: int, num_stages: int) -> tuple[list, list]:
@@ -158,5 +199,6 @@ def message_order_mismatches(schedule: "str | ScheduleSpec", lists: list[list[Ac
                 one = [x for x in sends if channel is None or (x[0], x[2]) == channel]
                 other = [x for x in recvs if channel is None or (x[0], x[2]) == channel]
                 if one != other:
-                    out.append(f"rank {a} -> rank {b} ({channel or 'all'}): sent {one[:6]}..., received {other[:6]}...")
+                    out.append(f"rank {a} -> rank {b} ({channel or 'all'}): sent {one[:6]}..., received {other[:6]}...\n"
+                               + message_grid(s_, lists, a, b, one, other))
     return out

@@ -136,7 +136,7 @@ def build(
     synchronize_initial_weights(groups, module, plan.tied)
     if fsdp:
         device = runtime_options.get("device") or next(module.parameters()).device
-        sharded = shard_chunks(plan.rank_stage.chunks, groups.weight_gather, device, versions=plan.spec.weight_versions)
+        sharded = shard_chunks(plan.rank_stage.chunks, groups.weight_gather, device, versions=plan.spec.clock(mesh.pipeline_parallel_size).rank(groups.stage).versions)
         rebind_optimizer(optimizer, sharded)
         plan.rank_stage.named_parameters[:] = [(n, sharded.get(id(p), p)) for n, p in plan.named_parameters]
     runtime = PipelineRuntime(

@@ -55,11 +55,12 @@ def _check_backend(s: RunSettings) -> None:
     pp, spec = s.mesh.pipeline_parallel_size, s.schedule
     if (s.backend == "nccl" or s.device_type == "cuda") and pp > 1:
         lists = [spec.run_actions(r, pp, s.n_microbatches, 1) for r in range(pp)]
-        if message_order_mismatches(spec, lists, per_channel=False):
+        mismatches = message_order_mismatches(spec, lists, per_channel=False)
+        if mismatches:
             raise ValueError(
                 f"Schedule {spec.name!r} sends messages between two stages in another order than the receiver "
                 "posts them, which NCCL (no tags) cannot match. Use schedule='zbh1' or 'interleaved' on GPUs, or "
-                "run it on CPUs (gloo)."
+                "run it on CPUs (gloo). The first pair that disagrees:\n" + mismatches[0]
             )
     if s.backend == "nccl" and s.device_type != "cuda":
         raise ValueError(

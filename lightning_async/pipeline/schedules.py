@@ -40,6 +40,8 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
+from lightning_async.pipeline.clock import UpdateClock
+
 FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD, UPDATE = "F", "B", "I", "W", "U"
 #: actions that send a gradient to the previous virtual stage (and need the next one's)
 GRADIENT_ACTIONS = (BACKWARD, INPUT_GRAD)
@@ -178,9 +180,8 @@ class ScheduleSpec:
 
     Attributes:
         name: the schedule's name (``SCHEDULES``).
-        delayed: updates apply gradients one step stale (no flush between batches): staleness corrections apply.
-        weight_versions: weight versions a stage keeps (2BW: two, ``slot[b % 2]`` holds ``V(b)``).
-        flushes: the pipeline is empty at every batch boundary.
+        delay: steps of staleness of every piece's updates (2BW: one; 0: a flushing schedule). Weight versions,
+            slots and when an update lands follow from it in :meth:`clock` (:mod:`~lightning_async.pipeline.clock`).
         loss_lag: a training step can report the loss of the batch this many steps back without waiting
             (2BW: the last stage finishes batch ``b`` while the first stage already runs ``b + 1``).
         min_microbatches_per_stage: micro-batches per batch must be at least this many times the stages.
@@ -192,9 +193,7 @@ class ScheduleSpec:
     """
 
     name: str
-    delayed: bool
-    weight_versions: int
-    flushes: bool
+    delay: int
     loss_lag: int
     min_microbatches_per_stage: int
     chunks: int = 1
@@ -203,6 +202,19 @@ class ScheduleSpec:
     microbatch_multiple_of_stages: bool = False
     per_batch: Callable | None = None
     configurable_chunks: bool = False
+
+    @property
+    def delayed(self) -> bool:
+        """Updates apply stale gradients (no flush between batches): staleness corrections apply."""
+        return self.delay > 0
+
+    def piece_delays(self, num_stages: int) -> tuple[int, ...]:
+        """Each piece's delay, in piece order."""
+        return (self.delay,) * self.virtual_stages(num_stages)
+
+    def clock(self, num_stages: int) -> UpdateClock:
+        """The update clock of this schedule on ``num_stages`` ranks."""
+        return UpdateClock.of(self, num_stages)
 
     @property
     def one_forward_one_backward(self) -> bool:
@@ -316,7 +328,7 @@ class ScheduleSpec:
 
 
 def _sync(name: str, per_batch: Callable, min_per_stage: int, **kwargs) -> ScheduleSpec:
-    return ScheduleSpec(name, delayed=False, weight_versions=1, flushes=True, loss_lag=0,
+    return ScheduleSpec(name, delay=0, loss_lag=0,
                         min_microbatches_per_stage=min_per_stage, per_batch=per_batch, **kwargs)
 
 
@@ -327,9 +339,8 @@ SPECS = {
     "interleaved": _sync("interleaved", _interleaved, 1, chunks=2, microbatch_multiple_of_stages=True,
                          configurable_chunks=True),
     "zbv": _sync("zbv", _zb_v, 0, chunks=2, placement=V_SHAPE, split_backward=True),
-    "2bw": ScheduleSpec("2bw", delayed=True, weight_versions=2, flushes=False, loss_lag=1, min_microbatches_per_stage=1),
-    "2bw-split": ScheduleSpec("2bw-split", delayed=True, weight_versions=2, flushes=False, loss_lag=1,
-                              min_microbatches_per_stage=1, split_backward=True),
+    "2bw": ScheduleSpec("2bw", delay=1, loss_lag=1, min_microbatches_per_stage=1),
+    "2bw-split": ScheduleSpec("2bw-split", delay=1, loss_lag=1, min_microbatches_per_stage=1, split_backward=True),
 }
 SCHEDULES = tuple(SPECS)
 #: the synchronous schedule a comparison should beat: no stale gradients, the smallest bubble we run

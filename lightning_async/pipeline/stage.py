@@ -167,7 +167,3 @@ def prune_to_stage(module: nn.Module, units: Sequence[tuple[str, nn.Module]], st
     for name, _ in units:
         if rank_of[name] != stage:
             module.set_submodule(name, NotOnThisStage(name, rank_of[name]))
-
-
-#: the old name (deprecated, kept for one release): a piece's units, not a rank's stage
-StageModule = PieceModule

@@ -10,7 +10,7 @@ __all__ = ["render_timeline"]
 
 def render_timeline(result, chars_per_unit: int = 3, unit: float | None = None) -> str:
     """ASCII timeline, one row per rank, of ``result`` (a :class:`~lightning_async.pipeline.timing.ScheduleTiming`: its
-    ``trace`` and ``total_time``; not imported, as ``timing`` re-exports this function): ``F5``/``B5`` =
+    ``trace`` and ``total_time``; not imported: ``timing`` is the model, this module only draws it): ``F5``/``B5`` =
     forward/backward of micro-batch 5 (``I5``/``W5``: a split backward's input and weight gradients; ``F5c1``: on
     the rank's chunk 1), ``.`` = idle, ``|`` = the update (``U``) of a batch finishes there (when updates take no
     time), ``U`` = a timed update.

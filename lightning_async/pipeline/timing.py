@@ -37,26 +37,12 @@ from lightning_async.pipeline.schedules import (
 )
 from lightning_async.pipeline.shares import per_hop, per_piece, per_rank
 
-# moved to pipeline.memory and pipeline.timeline; importable from here until the next release
-from lightning_async.pipeline.memory import WEIGHT_GRAD_SHARE, peak_activation_bytes, schedule_memory
-from lightning_async.pipeline.timeline import render_timeline
-
 __all__ = [
     "DeadlockError",
     "ScheduleTiming",
     "predict",
     "time_action_lists",
     "time_schedule",
-    # the old names, deprecated (see the end of the module)
-    "SimResult",
-    "simulate",
-    "simulate_lists",
-    # re-exported (moved), see above
-    "WEIGHT_GRAD_SHARE",
-    "inflight_and_versions",
-    "peak_activation_bytes",
-    "render_timeline",
-    "schedule_memory",
 ]
 
 
@@ -334,7 +320,3 @@ def predict(
         "weight_versions": r.weight_versions,
         "batch_end_s": r.batch_end,
     }
-
-
-# the old names (deprecated, kept for one release): "simulate" read as the one-device delay simulation
-simulate, simulate_lists, SimResult = time_schedule, time_action_lists, ScheduleTiming

@@ -12,8 +12,8 @@ name of a weight shared within the module pointing at the same tensor.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
+from operator import itemgetter
 
 import torch
 from torch import nn
@@ -28,20 +28,56 @@ class WeightSwap:
     """
 
     def __init__(self, module: nn.Module, index: dict[str, int]) -> None:
-        self._entries: list[tuple[dict, str, int]] = []  # (owner's _parameters, attribute, position in the weights)
+        owners: dict[int, tuple[dict, list[str], list[int]]] = {}  # per owner: its _parameters, attributes, positions
         for name, _ in module.named_parameters(remove_duplicate=False):
             owner_name, _, attribute = name.rpartition(".")
-            owner = module.get_submodule(owner_name)
-            self._entries.append((owner._parameters, attribute, index[name]))
+            table = module.get_submodule(owner_name)._parameters
+            entry = owners.setdefault(id(table), (table, [], []))
+            entry[1].append(attribute)
+            entry[2].append(index[name])
+        #: per owner: (its _parameters, its attributes, their tensors in a weight list, their current tensors): the
+        #: reads and writes run in C
+        self._owners: list[tuple[dict, tuple[str, ...], Callable, Callable]] = [
+            (table, tuple(attributes), _getter(positions), _getter(attributes))
+            for table, attributes, positions in owners.values()
+        ]
 
-    @contextmanager
-    def using(self, weights: Sequence[torch.Tensor]) -> Iterator[None]:
-        """Inside the block the module computes with ``weights`` (by position) instead of its parameters."""
-        originals = [(table, attribute, table[attribute]) for table, attribute, _ in self._entries]
+    def using(self, weights: Sequence[torch.Tensor]) -> "_Using":
+        """Inside the block (``with swap.using(weights):``) the module computes with ``weights`` (by position)
+        instead of its parameters."""
+        return _Using(self._owners, weights)
+
+
+def _getter(items: Sequence) -> Callable:
+    """``seq -> tuple(seq[i] for i in items)`` (``operator.itemgetter``, a tuple for one item too)."""
+    if len(items) == 1:
+        (item,) = items
+        return lambda seq: (seq[item],)
+    return itemgetter(*items)
+
+
+class _Using:
+    """:meth:`WeightSwap.using`'s context (a class, not a generator: it runs on every forward)."""
+
+    __slots__ = ("owners", "weights", "originals")
+
+    def __init__(self, owners: list, weights: Sequence[torch.Tensor]) -> None:
+        self.owners, self.weights = owners, weights
+
+    def __enter__(self) -> None:
+        self.originals = [current(table) for table, _, _, current in self.owners]
+        weights = self.weights
         try:
-            for table, attribute, position in self._entries:
-                table[attribute] = weights[position]
-            yield
-        finally:
-            for table, attribute, original in originals:
-                table[attribute] = original
+            for table, attributes, take, _ in self.owners:
+                table.update(zip(attributes, take(weights)))
+        except BaseException:
+            self._restore()
+            raise
+
+    def __exit__(self, *exc) -> bool:
+        self._restore()
+        return False
+
+    def _restore(self) -> None:
+        for (table, attributes, _, _), originals in zip(self.owners, self.originals):
+            table.update(zip(attributes, originals))

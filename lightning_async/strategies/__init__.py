@@ -6,6 +6,6 @@ from lightning_async.strategies.async_pipe import AsyncPipelineStrategy, Pipelin
 from lightning_async.strategies.checkpoints import PipelineAwareCheckpointIO
 
 if "async_pipe" not in StrategyRegistry:
-    PipelineStrategy.register_strategies(StrategyRegistry)
+    AsyncPipelineStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["AsyncPipelineStrategy", "PipelineAwareCheckpointIO", "PipelineStrategy"]  # (AsyncPipelineStrategy: deprecated)
+__all__ = ["AsyncPipelineStrategy", "PipelineAwareCheckpointIO", "PipelineStrategy"]  # (PipelineStrategy: the same class)

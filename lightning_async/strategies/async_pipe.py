@@ -1,6 +1,8 @@
-"""``PipelineStrategy``: pipelines in Lightning under every schedule, PipeDream-2BW's and the synchronous ones.
+"""``AsyncPipelineStrategy``: pipelines in Lightning under every schedule, PipeDream-2BW's and the synchronous ones.
 
-``AsyncPipelineStrategy`` is its old name (deprecated: it also runs every synchronous schedule), kept for one release.
+``Trainer(strategy="async_pipe")`` builds one (2BW); its ``schedule`` argument, or the names ``"sync_pipe"``,
+``"gpipe_pipe"`` and ``"zb_pipe"``, run the synchronous baselines on the same runtime. ``PipelineStrategy`` is
+another name for the same class.
 
 Thin glue between Lightning and :class:`~lightning_async.pipeline.runtime.PipelineRuntime`: it cuts the
 LightningModule down to this rank's stage (:mod:`~lightning_async.pipeline.stage`), makes the mesh's process
@@ -26,7 +28,7 @@ from typing_extensions import override
 
 from lightning_async.callbacks.delay import check_corrections, pipeline_correction_setting
 from lightning_async.callbacks.divergence import ensure_divergence_guard
-from lightning_async.optim.corrections import Correction, as_correction, check_applicable, correction_from_arguments
+from lightning_async.optim.corrections import Correction, as_correction, check_applicable
 from lightning_async.pipeline import schedules
 from lightning_async.pipeline.contract import check_pipeline_contract
 from lightning_async.pipeline.fsdp import whole
@@ -43,6 +45,8 @@ from lightning_async.strategies.memory_log import gather_memory_reports, log_mem
 from lightning_async.strategies.metric_logging import add_metrics_logger, log_values
 from lightning_async.strategies import refusals
 from lightning_async.strategies.sigterm import SigtermStop
+from lightning_async.strategies.step_hooks import LightningStepHooks
+from lightning_async.strategies.summary import log_parameter_counts
 from lightning_async.strategies.split import decide_stage_units, record_split, recorded_split
 
 
@@ -57,7 +61,7 @@ def _checked_timeout(timeout: timedelta | float | None) -> timedelta | None:
     return None if timeout is None else timedelta(seconds=seconds)
 
 
-class PipelineStrategy(DDPStrategy):
+class AsyncPipelineStrategy(DDPStrategy):
     """One process per pipeline stage; trains with PipeDream-2BW (``schedule="2bw"``) or a synchronous schedule.
 
     Args:
@@ -75,7 +79,6 @@ class PipelineStrategy(DDPStrategy):
             (``"ef"``), ``build_correction``'s arguments (``{"method": "ef", "strength": 0.5}``) or a ``Correction``.
             The ``ErrorFeedback`` / ``DelayCorrection`` callbacks set the same thing (the CLI's ``correction:``
             section); give it one way.
-        error_feedback: deprecated: ``correction={"method": "ef", "strength": error_feedback}``.
         activation_checkpointing: recompute each pipeline unit's forward in the backward, so a stage keeps only
             its units' inputs for the micro-batches in flight (less memory, about one more forward of compute).
         shard_optimizer: ZeRO-1 over the data-parallel replicas (Megatron's distributed optimizer): each replica of
@@ -108,7 +111,6 @@ class PipelineStrategy(DDPStrategy):
         data_parallel_size: int | None = None,
         partition: str | list[str] = "uniform",
         correction: str | dict | Correction | None = None,
-        error_feedback: float | None = None,
         activation_checkpointing: bool = False,
         shard_optimizer: bool = False,
         fsdp: bool = False,
@@ -118,10 +120,12 @@ class PipelineStrategy(DDPStrategy):
         start_method: str = "popen",
         **kwargs: Any,
     ) -> None:
+        if "error_feedback" in kwargs:
+            raise ValueError("AsyncPipelineStrategy(error_feedback=S) was removed in 0.2.0: pass "
+                             "correction={'method': 'ef', 'strength': S} (CHANGELOG.md, 'Migrating from 0.1').")
         self.schedule_spec = schedules.spec(schedule, virtual_stages)
         timeout = _checked_timeout(timeout)
         super().__init__(process_group_backend=process_group_backend, timeout=timeout, start_method=start_method, **kwargs)
-        correction = correction_from_arguments(correction, error_feedback, "PipelineStrategy")
         check_applicable(as_correction(correction), schedule=self.schedule_spec)  # a bad name or schedule: now
         self.correction = correction
         self.schedule = self.schedule_spec.name
@@ -136,6 +140,9 @@ class PipelineStrategy(DDPStrategy):
                              f"(torch.distributed.checkpoint, moves between layouts), got {checkpoint_format!r}.")
         self.checkpoint_format = checkpoint_format
         self.runtime: PipelineRuntime | None = None
+        #: the batch whose backward or update the Lightning hook now running belongs to (``None`` outside them;
+        #: under 2BW it may be the step before the current one: :mod:`~lightning_async.strategies.step_hooks`)
+        self.hook_batch: int | None = None
         self.loss_extras: LossExtras | None = None
         self.stage_units: list[list[str]] = []
         self.checkpoints = PipelineCheckpoints(self)
@@ -266,6 +273,7 @@ class PipelineStrategy(DDPStrategy):
             f"async_pipe: schedule={self.schedule}, stages={self.pipeline_parallel_size}, replicas={self.data_parallel_size}, "
             f"micro-batches={self.n_microbatches}, chunks per stage={self.schedule_spec.chunks}; units: {self.stage_units}"
         )
+        log_parameter_counts(self, module, units)
         self.loss_extras = LossExtras(module.pipeline_loss)
         plan = plan_rank(
             units, self.schedule_spec, self.n_microbatches, rank=self.global_rank, world_size=self.world,
@@ -320,6 +328,7 @@ class PipelineStrategy(DDPStrategy):
             device=self.root_device, context_fn=getattr(module, "pipeline_context", None),
             activation_checkpointing=self.activation_checkpointing,
             shard_optimizer=self.shard_optimizer and trainer.state.fn == TrainerFn.FITTING,
+            hooks=LightningStepHooks(self) if trainer.state.fn == TrainerFn.FITTING else None,
         )
 
     def make_correction(self, trainer=None) -> Correction | None:
@@ -350,12 +359,10 @@ class PipelineStrategy(DDPStrategy):
         runtime = self.runtime
         runtime.train_batch(batch)
         self.loss_extras.end_training_call(runtime.batches_done - 1)
-        # 2BW: the last stage finishes batch b's loss while the first stage already runs batch b+1, so the loss
-        # reported at step b is batch b-1's (waiting for batch b would re-create the bubble).
-        report = runtime.batches_done - 1 - self.schedule_spec.loss_lag
-        loss = runtime.collect_loss(report) if report >= 0 else None
+        report = runtime.reported_loss_batch()  # (2BW: the batch before this step's; see UpdateClock.reported_loss)
+        loss = runtime.collect_loss(report) if report is not None else None
         self._log_loss("train", loss, batch)
-        if report >= 0:
+        if report is not None:
             log_values(self.lightning_module, "train", self.loss_extras.training_values(report))
         grad_norm = runtime.settled_grad_norm()
         if grad_norm is not None:
@@ -368,6 +375,7 @@ class PipelineStrategy(DDPStrategy):
 
     @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
+        compat.skip_closure_zero_grad(closure)  # (the runtime calls on_before_zero_grad before each stage's update)
         result = closure()  # updates happen inside the pipeline, at each stage's batch boundary
         compat.mark_optimizer_stepped(optimizer)  # (the update is applied later, with the lr recorded now)
         return result
@@ -475,5 +483,5 @@ class PipelineStrategy(DDPStrategy):
             strategy_registry.register(name, cls, description=description, schedule=schedule)
 
 
-#: the old name (deprecated, kept for one release): the strategy runs every schedule, not only the asynchronous one
-AsyncPipelineStrategy = PipelineStrategy
+#: another name of the same class (it runs every schedule, the synchronous baselines included)
+PipelineStrategy = AsyncPipelineStrategy

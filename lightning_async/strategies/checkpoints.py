@@ -23,7 +23,7 @@ from lightning_async.pipeline.p2p import PeerFailure
 
 
 class PipelineCheckpoints:
-    """Saves, loads and removes the pipeline checkpoints of ``strategy`` (an ``PipelineStrategy``)."""
+    """Saves, loads and removes the pipeline checkpoints of ``strategy`` (an ``AsyncPipelineStrategy``)."""
 
     def __init__(self, strategy) -> None:
         self.strategy = strategy

@@ -20,11 +20,12 @@ def gather_memory_reports(strategy) -> list[dict]:
 
 
 def log_memory_reports(reports: list[dict], logger) -> None:
-    """On rank 0: one info line per stage of replica 0, and ``memory/stage<S>/<what>_mib`` metrics."""
+    """On rank 0: one info line per stage of replica 0, and ``train/memory/stage<S>/<what>_mib`` metrics (under
+    ``train/``, after the loss: a group of their own came before it on TensorBoard's first screen)."""
     for r in reports:
         if r["replica"] != 0:
             continue
         sizes = {k: v / 2**20 for k, v in r.items() if k not in ("stage", "replica", "in_flight_microbatches")}
         rank_zero_info(f"async_pipe memory, stage {r['stage']}: " + ", ".join(f"{k} {v:.1f} MiB" for k, v in sizes.items()))
         if logger is not None:
-            logger.log_metrics({f"memory/stage{r['stage']}/{k}_mib": v for k, v in sizes.items()})
+            logger.log_metrics({f"train/memory/stage{r['stage']}/{k}_mib": v for k, v in sizes.items()})

@@ -59,6 +59,13 @@ def refuse_before_launch(trainer, module) -> bool:
             f"gradient_clip_algorithm={algorithm!r}: the pipeline strategy clips by the global "
             "norm over all stages only. Set gradient_clip_algorithm='norm'."
         )
+    if type(module).configure_gradient_clipping is not LightningModule.configure_gradient_clipping:
+        raise ValueError(
+            f"{type(module).__name__} overrides configure_gradient_clipping, which a pipeline strategy cannot honour: "
+            "each stage holds only its own gradients, and the pipeline clips by the global norm over all stages "
+            "(gradient_clip_val). Remove the override and set Trainer(gradient_clip_val=...), or log norms in "
+            "on_before_optimizer_step, which runs on every stage."
+        )
     count = count_optimizers(module)
     refuse_optimizers(module, count)
     return count is not None

@@ -16,7 +16,7 @@ over its pieces, so ZB-V's rank 0 holds both), and parameter and activation byte
 stage costs are nominal instead: FLOP counts at that sustained rate, parameters counted exactly, activations
 estimated, nothing measured.
 
-``lightning-async simulate`` is the old name: it says so on stderr and runs the same. Usage::
+Usage::
 
     lightning-async plan
     lightning-async plan --forward-ms 10 --backward-ms 20
@@ -256,12 +256,6 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
             json.dump(payload, f, indent=2)
         print(f"wrote {args.json_path}")
     return 0
-
-
-def simulate_main(argv: Sequence[str] | None = None) -> int:
-    """``lightning-async simulate``, the old name of ``plan``: one line on stderr, then :func:`plan_main`."""
-    print("`simulate` is now `plan`", file=sys.stderr)
-    return plan_main(argv)
 
 
 if __name__ == "__main__":  # pragma: no cover

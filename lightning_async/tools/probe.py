@@ -197,7 +197,7 @@ def pipeline_strategy_name(value) -> str | None:
     ``{class_path: ...}``) is a pipeline strategy, else ``None``."""
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from lightning_async.strategies import PipelineStrategy
+    from lightning_async.strategies import AsyncPipelineStrategy
 
     if isinstance(value, dict):
         value = value.get("class_path")
@@ -211,7 +211,7 @@ def pipeline_strategy_name(value) -> str | None:
             cls = getattr(importlib.import_module(module or "lightning_async.strategies"), name)
         except (ImportError, AttributeError, ValueError):
             return None
-    return cls.__name__ if isinstance(cls, type) and issubclass(cls, PipelineStrategy) else None
+    return cls.__name__ if isinstance(cls, type) and issubclass(cls, AsyncPipelineStrategy) else None
 
 
 def check_single_device(configs: list[str], overrides: list[str]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -347,7 +348,7 @@ def test_run_telemetry_logs_identity_and_done(callbacks, identity: dict, tmp_pat
         assert hparams[key] == value, key
     assert set(IDENTITY_KEYS) <= set(hparams)
     assert RunIdentity.from_mapping(hparams).as_record() == {k: done[k] for k in IDENTITY_KEYS}  # one schema
-    assert "lr/adamw" in trainer.logged_metrics and "train/grad_norm" in trainer.logged_metrics
+    assert "train/lr/adamw" in trainer.logged_metrics and "train/grad_norm" in trainer.logged_metrics
 
 
 def test_run_identity_of_the_pipeline_strategy_error_feedback() -> None:
@@ -356,11 +357,11 @@ def test_run_identity_of_the_pipeline_strategy_error_feedback() -> None:
 
     from lightning_async.callbacks import run_identity
     from lightning_async.optim import build_correction
-    from lightning_async.strategies import PipelineStrategy
+    from lightning_async.strategies import AsyncPipelineStrategy
 
     model = CausalLM(vocab_size=VOCAB, model_overrides=OVERRIDES)
     for applied, correction, strength in ((build_correction("ef", 1.0), "ef", 1.0), (None, "none", 0.0)):
-        strategy = PipelineStrategy()
+        strategy = AsyncPipelineStrategy()
         trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
         strategy.runtime = SimpleNamespace(correction=applied)
         record = run_identity(trainer, model)
@@ -368,3 +369,31 @@ def test_run_identity_of_the_pipeline_strategy_error_feedback() -> None:
             "async_pipe", correction, strength)
         assert record["ef_strength"] == strength and tuple(record) == IDENTITY_KEYS
         assert RunIdentity.from_mapping(record).category == ("async+EF" if strength else "async")
+
+def test_a_sanity_check_over_the_whole_validation_set_is_the_loss_at_step_0(tmp_path, capsys):
+    """The quick start's curve starts before training: a sanity check that ran every validation batch is logged as
+    val/loss at step 0 (and printed); a partial one (Lightning's default 2 batches of 4) is not."""
+    import lightning as L
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_async.callbacks import RunTelemetry, StepProgress
+    from lightning_async.data import TextDataModule
+    from lightning_async.lm import CausalLM
+
+    def fit(sanity: int, name: str) -> list[dict]:
+        logger = CSVLogger(tmp_path, name=name)
+        trainer = L.Trainer(accelerator="cpu", max_steps=2, limit_val_batches=4, num_sanity_val_steps=sanity,
+                            val_check_interval=2, logger=logger, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, callbacks=[RunTelemetry(label_log_dir=False), StepProgress()])
+        trainer.fit(CausalLM(model="tiny", vocab_size=257),
+                    TextDataModule(source="stdlib", tokenizer="byte", seq_len=32, batch_size=4,
+                                   cache_dir=str(tmp_path / "cache")))
+        import csv
+
+        with open(Path(logger.log_dir) / "metrics.csv") as f:
+            return [row for row in csv.DictReader(f) if row.get("val/loss")]
+
+    rows = fit(4, "whole")
+    assert [int(r["step"]) for r in rows] == [0, 1] and float(rows[0]["val/loss"]) > 5.0  # ln 257 = 5.55, untrained
+    assert "validation at step 0: val/loss" in capsys.readouterr().out
+    assert [int(r["step"]) for r in fit(2, "partial")] == [1]

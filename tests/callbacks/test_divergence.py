@@ -15,7 +15,7 @@ from test_strategy import SHAPE, TinyData
 
 from lightning_async.callbacks import Diverged, DivergenceGuard
 from lightning_async.lm import CausalLM
-from lightning_async.strategies import PipelineStrategy
+from lightning_async.strategies import AsyncPipelineStrategy
 
 DIVERGING_LR = 1e6  # NaN loss within a few steps
 
@@ -85,13 +85,13 @@ def _pipeline_divergence(tmp: str) -> dict:
     rank = as_torchrun()
     out = {}
     # keep going (explicit guard): trains to max_steps, marks the run
-    kept = _trainer(os.path.join(tmp, "kept"), callbacks=[DivergenceGuard(stop=False)], strategy=PipelineStrategy(n_microbatches=2), devices=2)
+    kept = _trainer(os.path.join(tmp, "kept"), callbacks=[DivergenceGuard(stop=False)], strategy=AsyncPipelineStrategy(n_microbatches=2), devices=2)
     kept.fit(_model(), datamodule=TinyData())
     out["kept"] = {"steps": kept.global_step, "guards": sum(isinstance(cb, DivergenceGuard) for cb in kept.callbacks)}
     if rank == 0:
         out["kept"]["marker"] = _marker(kept)
     # no guard given: the strategy adds one that stops (last: a stopped pipeline is not reused)
-    stopped = _trainer(os.path.join(tmp, "stopped"), strategy=PipelineStrategy(n_microbatches=2), devices=2)
+    stopped = _trainer(os.path.join(tmp, "stopped"), strategy=AsyncPipelineStrategy(n_microbatches=2), devices=2)
     try:
         stopped.fit(_model(), datamodule=TinyData())
         out["stopped"] = {"error": None}

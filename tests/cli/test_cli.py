@@ -141,7 +141,8 @@ BAD_INPUTS = {
     "sgdx": (["--model.optimizer", "sgdx"], "Unknown optimizer 'sgdx'"),
     "nowhere": (["--data.source", "nowhere"], "nowhere"),
     "ef-without-delay": (["--correction.method", "ef"], "DelayCorrection('ef') needs a delay source"),
-    "ef-without-delay-old-spelling": (["--error_feedback.strength", "1.0"], "DelayCorrection('ef') needs a delay source"),
+    "error-feedback-section-removed": (["--error_feedback.strength", "1.0"],
+                                       "section was removed in 0.2.0; write correction: {method: ef, strength: 1}"),
     "unknown-key": (["--trainer.no_such_key", "1"], "no_such_key"),
 }
 
@@ -164,17 +165,19 @@ def test_bad_input_stops_with_a_clear_message(bad_input_runs, case):
 
 
 def test_tools_run_from_any_directory(tmp_path):
-    """study, probe, plan (and its old name), recipes, compare and export by their module paths in TOOLS."""
+    """study, probe, plan, recipes, compare and export by their module paths in TOOLS (and ``simulate``, removed in
+    0.2.0, refused naming ``plan``)."""
     runs = run_cli_invocations(tmp_path, {
         "study": ["study", "--config", "quickstart", "--dry-run"], "probe": ["probe", "--config", "quickstart", "--dry-run"],
         "plan": ["plan", "--forward-ms", "10", "--stages", "2"], "simulate": ["simulate", "--forward-ms", "10", "--stages", "2"],
         "recipes": ["recipes"], "compare": ["compare", "nothing-here"], "export": ["export", "--help"],
     })
     codes = {name: run["returncode"] for name, run in runs.items()}
-    assert codes == {"study": 0, "probe": 0, "plan": 0, "simulate": 0, "recipes": 0, "compare": 2, "export": 0}, runs
+    assert codes == {"study": 0, "probe": 0, "plan": 0, "simulate": 2, "recipes": 0, "compare": 2, "export": 0}, runs
     assert "study quickstart: 21 runs -> studies/quickstart" in runs["study"]["stdout"]
     assert not any("not found" in run["stdout"] for run in runs.values())
-    assert "`simulate` is now `plan`" in runs["simulate"]["stderr"] and not (tmp_path / "studies").exists()
+    assert "use `lightning-async plan`" in runs["simulate"]["stderr"] and runs["simulate"]["stdout"] == ""
+    assert not (tmp_path / "studies").exists()
 
 
 def test_plan_without_arguments_prints_a_nominal_plan_of_the_135m_shape(capsys):
@@ -213,7 +216,7 @@ def test_top_level_help_lists_every_command_and_leaves_theirs_alone(tmp_path):
 
     from lightning_async.cli import TOOL_SUMMARIES, TOOLS, TRAINING_SUMMARIES
 
-    assert set(TOOL_SUMMARIES) == set(TOOLS) - {"simulate"}  # (`simulate`: the old name of `plan`, not advertised)
+    assert set(TOOL_SUMMARIES) == set(TOOLS)
     assert list(TRAINING_SUMMARIES) == list(LightningCLI.subcommands())
     runs = run_cli_invocations(tmp_path, {"top": ["--help"], "own": ["test", "--help"], "none": []}, env={"COLUMNS": "80"})
     top, own = runs["top"], runs["own"]
@@ -236,7 +239,7 @@ def test_the_top_level_help_imports_neither_torch_nor_lightning(tmp_path):
               "heavy = sorted(m for m in ('torch', 'lightning', 'jsonargparse') if m in sys.modules)\n"
               "print('imported:', heavy)\n"
               "import lightning_async\n"
-              "print('export:', lightning_async.PipelineStrategy.__name__)\n")
+              "print('export:', lightning_async.AsyncPipelineStrategy.__name__)\n")
     proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "imported: []" in proc.stdout and "export: PipelineStrategy" in proc.stdout, proc.stdout
+    assert "imported: []" in proc.stdout and "export: AsyncPipelineStrategy" in proc.stdout, proc.stdout

@@ -61,7 +61,7 @@ def fit(tmp_path: Path, small_data: list[str], *args: str) -> list[str]:
     "args, message",
     [
         (["--config", PIPELINE, "--trainer.strategy.init_args.schedule", "zzz"],
-         "PipelineStrategy: Unknown pipeline schedule 'zzz'. Choose one of: gpipe, 1f1b, zbh1, interleaved, zbv, 2bw, 2bw-split"),
+         "AsyncPipelineStrategy: Unknown pipeline schedule 'zzz'. Choose one of: gpipe, 1f1b, zbh1, interleaved, zbv, 2bw, 2bw-split"),
         (["--model.model", "huge"], "CausalLM: Unknown model config 'huge'"),
         (["--data.source", "nowhere"], "TextDataModule: unknown data source 'nowhere'"),
     ],
@@ -94,8 +94,8 @@ CORRECTIONS = str(REPO / "recipes/corrections")
         (["--config", str(REPO / "recipes/pipeline/sync.yaml"), "--config", f"{CORRECTIONS}/nesterov.yaml"],
          "The 'nesterov' correction corrects the one-step delay of schedule '2bw', but schedule '1f1b' is synchronous"),
         (["--config", f"{CORRECTIONS}/dc-asgd.yaml"], "DelayCorrection('dc-asgd') needs a delay source"),
-        (["--config", str(REPO / "recipes/modes/delayed.yaml"), "--error_feedback.strength", "1",
-          "--config", f"{CORRECTIONS}/nesterov.yaml"],  # (the deprecated section beside the correction section)
+        (["--config", str(REPO / "recipes/modes/delayed.yaml"), "--config", f"{CORRECTIONS}/nesterov.yaml",
+          "--trainer.callbacks+=lightning_async.callbacks.ErrorFeedback"],  # (a callback beside the correction section)
          "Two staleness corrections are switched on"),
         (["--config", PIPELINE, "--trainer.strategy.init_args.n_microbatches", "1"],
          "schedule '2bw' needs at least as many micro-batches per batch as pipeline stages"),
@@ -272,7 +272,7 @@ def test_probe_refuses_a_pipeline_recipe(tmp_path, capsys, args, where):
     rc = probe_main(["--config", QUICKSTART, *args, "--dry-run", "--output", str(tmp_path)])
     err = capsys.readouterr().err
     assert rc == 2
-    assert f"error: {where} trains with a pipeline strategy (PipelineStrategy)" in err
+    assert f"error: {where} trains with a pipeline strategy (AsyncPipelineStrategy)" in err
     assert "--set trainer.strategy=auto --set trainer.devices=1" in err
 
 
@@ -318,16 +318,16 @@ def test_plan_json_into_a_missing_directory_creates_it(tmp_path, capsys):
     assert "cannot create its directory" in capsys.readouterr().err
 
 
-def test_simulate_is_the_old_name_of_plan(capsys):
-    assert main(["plan", "--forward-ms", "10", "--stages", "2"]) == 0
-    planned = capsys.readouterr()
-    assert main(["simulate", "--forward-ms", "10", "--stages", "2"]) == 0
-    aliased = capsys.readouterr()
-    assert planned.err == "" and aliased.err.splitlines() == ["`simulate` is now `plan`"]
-    assert aliased.out == planned.out and "2BW gain" in planned.out
+def test_simulate_the_name_removed_in_0_2_points_to_plan(capsys):
+    """``simulate`` was ``plan``'s old name until 0.2.0: now one error line naming ``plan``, and nothing planned."""
+    assert main(["simulate", "--forward-ms", "10", "--stages", "2"]) == EXIT_BAD_INPUT
+    removed = capsys.readouterr()
+    assert removed.out == ""
+    assert removed.err.splitlines() == ["error: `lightning-async simulate` was removed in 0.2.0: use `lightning-async plan` "
+                                        "(the same options)"]
 
 
-# ---- wired in from the fault work (issue 12) -------------------------------------------------------
+# ---- wired in from the fault handling -------------------------------------------------------------
 def test_a_pipeline_checkpoint_given_to_a_single_device_fit_is_one_error_line(tmp_path, capsys, small_data):
     checkpoint = tmp_path / "last.ckpt"
     checkpoint.mkdir()
@@ -354,46 +354,34 @@ def test_a_diverging_fit_stops_by_default_and_is_marked(tmp_path, capsys, small_
 
 
 @pytest.mark.parametrize(
-    "section, correction, expected, spelled",
+    "given, spelled",
     [
-        ({"strength": 0.5}, ("none", None, {}), ("ef", 0.5, {}), "correction: {method: ef, strength: 0.5}"),
-        ({"strength": 0.0}, ("ef", 1.0, {}), ("none", None, {}), "correction: {method: none}"),
-        ({"extrapolate_weight_decay": False}, ("ef", 1.0, {"k_step": False}),
-         ("ef", 1.0, {"k_step": False, "extrapolate_weight_decay": False}),
-         "correction: {method: ef, strength: 1, options: {k_step: false, extrapolate_weight_decay: false}}"),
-        ({"extrapolate_weight_decay": False}, ("none", None, {}), ("none", None, {}), "correction: {method: none}"),
-        ({"strength": 0.0}, ("nesterov", 1.0, {"momentum": 0.9}), ("nesterov", 1.0, {"momentum": 0.9}),
-         "nothing: Error Feedback is off and the correction is 'nesterov'"),
+        (["--error_feedback.strength", "0.5"],
+         "--error_feedback.strength: the error_feedback: section was removed in 0.2.0; write "
+         "correction: {method: ef, strength: 0.5} instead (--correction.method ef --correction.strength 0.5"),
+        (["--error_feedback.strength=0"], "write correction: {method: none} instead (--correction.method none"),
+        (["--error_feedback", "{strength: 2, extrapolate_weight_decay: false}"],
+         "write correction: {method: ef, strength: 2, options: {extrapolate_weight_decay: false}} instead"),
+        ("error_feedback:\n  strength: 1.0\n",
+         "recipe {recipe}: the error_feedback: section was removed in 0.2.0; write correction: {method: ef, strength: 1}"),
+        ("fit:\n  error_feedback:\n    extrapolate_weight_decay: true\n",
+         "write correction: {method: ef, strength: S, options: {extrapolate_weight_decay: true}}"),
     ],
-    ids=["on", "off-over-a-recipes-ef", "keeps-the-recipes-strength", "no-ef-anywhere", "beside-another"],
+    ids=["flag", "flag-off", "whole-section-flag", "recipe", "recipe-under-fit"],
 )
-def test_the_old_error_feedback_section_is_read_into_the_correction_section(section, correction, expected, spelled):
-    """``error_feedback:`` means what it did when the recipes set EF through it (deprecated for one release)."""
-    from jsonargparse import Namespace
-
-    from lightning_async.deprecated_cli import translate_error_feedback_section
-
-    method, strength, options = correction
-    config = Namespace(error_feedback=Namespace(strength=None, extrapolate_weight_decay=None, **{}),
-                       correction=Namespace(method=method, strength=strength, options=options))
-    for key, value in section.items():
-        setattr(config.error_feedback, key, value)
-    message = translate_error_feedback_section(config)
-    assert (config.correction.method, config.correction.strength, config.correction.options) == expected
-    assert f"write {spelled}" in message and "deprecated" in message
-
-
-def test_the_old_section_not_given_changes_nothing_and_beside_another_correction_is_refused():
-    from jsonargparse import Namespace
-
-    from lightning_async.deprecated_cli import translate_error_feedback_section
-
-    config = Namespace(error_feedback=Namespace(strength=None, extrapolate_weight_decay=None),
-                       correction=Namespace(method="ef", strength=1.0, options={}))
-    assert translate_error_feedback_section(config) is None and config.correction.method == "ef"
-    config.correction.method, config.error_feedback.strength = "nesterov", 1.0
-    with pytest.raises(ValueError, match="Two staleness corrections are switched on"):
-        translate_error_feedback_section(config)
+def test_the_error_feedback_section_removed_in_0_2_names_the_correction_section(tmp_path, capsys, small_data, given,
+                                                                                 spelled):
+    """``error_feedback:`` (read into ``correction:`` until 0.2.0) is one error line with the new spelling of what was
+    given, before anything is built; jsonargparse alone would report an unknown key and say nothing of ``correction:``."""
+    recipe = tmp_path / "old.yaml"
+    if isinstance(given, str):
+        recipe.write_text(given)
+        given = ["--config", str(recipe)]
+    rc, output = run_main(capsys, *fit(tmp_path, small_data, "--config", str(REPO / "recipes/modes/delayed.yaml"), *given))
+    assert rc == EXIT_BAD_INPUT
+    (line,) = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert spelled.replace("{recipe}", str(recipe)) in line and "Traceback" not in output
+    assert not (tmp_path / "runs").exists()
 
 
 def test_a_recipe_with_callbacks_gets_the_progress_lines_and_a_bar_of_the_users_own_stays(tmp_path, capsys, small_data):

@@ -1,4 +1,4 @@
-"""Every command and snippet of README.md and docs/*.md, run as written (issue 24): docs that drift fail here.
+"""Every command and snippet of README.md and docs/*.md, run as written: docs that drift fail here.
 
 What happens to a fenced block (``tests/_doc_blocks.py`` reads them; one test per block, ``README.md:34``):
 

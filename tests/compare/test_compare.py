@@ -358,32 +358,36 @@ def test_two_finished_duplicates_are_refused(tmp_path, capsys):
 
 def test_runs_of_different_lengths_compared_at_a_common_step(tmp_path):
     """A 20-step sync run against a 40-step async run: compared at step 20, not at each one's end
-    (at the ends, async 2.5 < sync 2.8 looked better)."""
-    write_fake_run(tmp_path / "sync", mode="sync", val_loss={10: 3.0, 20: 2.8})
-    write_fake_run(tmp_path / "async", mode="delayed", val_loss={10: 3.1, 20: 2.9, 30: 2.7, 40: 2.5})
+    (at the ends, async 2.5 < sync 2.8 looked better). Steps as Lightning files them (the validation after step 20
+    at TensorBoard step 19); compare reports the runs' own steps."""
+    write_fake_run(tmp_path / "sync", mode="sync", val_loss={9: 3.0, 19: 2.8})
+    write_fake_run(tmp_path / "async", mode="delayed", val_loss={9: 3.1, 19: 2.9, 29: 2.7, 39: 2.5})
     out = tmp_path / "report"
     result = compare([tmp_path / "sync", tmp_path / "async"], out, plots=False)
     (row,) = result.rows
     assert row.gap == pytest.approx(0.1, abs=1e-6)
-    assert row.step == 20
+    assert (row.step, row.optimizer_step) == (19, 20)
     assert ("adamw: runs end at different steps (sync 20, async 40); compared at step 20, the last step at which "
             "every run of the row logged val/loss") in result.warnings
-    cells = dict(zip(HEADERS, table_cells(result.rows)[0]))
+    cells = dict(zip(table_headers(()), table_cells(result.rows)[0]))
     assert cells["step"] == "20" and cells["async"] == "2.900"
     report = (out / "report.md").read_text()
     assert "| adamw | 20 | 2.800 | 2.900 |" in report and "runs end at different steps" in report
+    last_steps = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[9] for line in report.splitlines()
+                  if line.startswith(("| sync |", "| async |"))}
+    assert last_steps == {"sync": "20", "async": "40"}  # the run list's last step: the run's, as the table's
 
     # different validation intervals (20 steps every 4, 40 steps every 8): the last shared step is 16
     other = tmp_path / "intervals"
-    write_fake_run(other / "sync", mode="sync", val_loss={s: 3.0 - s / 100 for s in (4, 8, 12, 16, 20)})
-    write_fake_run(other / "async", mode="delayed", val_loss={s: 3.1 - s / 100 for s in (8, 16, 24, 32, 40)})
+    write_fake_run(other / "sync", mode="sync", val_loss={s - 1: 3.0 - s / 100 for s in (4, 8, 12, 16, 20)})
+    write_fake_run(other / "async", mode="delayed", val_loss={s - 1: 3.1 - s / 100 for s in (8, 16, 24, 32, 40)})
     (row,) = compare([other]).rows
-    assert row.gap == pytest.approx(0.1, abs=1e-6) and row.step == 16
+    assert row.gap == pytest.approx(0.1, abs=1e-6) and row.optimizer_step == 16
 
     # no shared step at all: n/a with a warning saying how to fix it
     none = tmp_path / "disjoint"
-    write_fake_run(none / "sync", mode="sync", val_loss={5: 3.0})
-    write_fake_run(none / "async", mode="delayed", val_loss={7: 3.1})
+    write_fake_run(none / "sync", mode="sync", val_loss={4: 3.0})
+    write_fake_run(none / "async", mode="delayed", val_loss={6: 3.1})
     result = compare([none])
     assert result.rows[0].step is None and result.rows[0].gap is None
     assert any("share no step with a val/loss (last steps: sync 5, async 7)" in w for w in result.warnings)
@@ -548,9 +552,9 @@ EXAMPLE_FINALS = {"sync": (2.596, 2.624, 2.610), "async": (2.866, 2.914, 2.890),
 
 
 def test_the_example_table_of_compare_md_is_what_compare_prints(tmp_path):
-    """docs/compare.md ("Reading the table") shows the table of three synthetic seeds validated at steps 99 and 199,
-    as the quick-start study's 200-step runs are: its lines are exactly what ``compare`` prints for them (issue 24:
-    the example read its runs at step 200, a step no run logs)."""
+    """docs/compare.md ("Reading the table") shows the table of three synthetic seeds validated at TensorBoard steps 99
+    and 199, as the quick-start study's 200-step runs are: its lines are exactly what ``compare`` prints for them
+    (step 200: the runs' own count of the step TensorBoard files at 199)."""
     from _doc_blocks import REPO, read_blocks
 
     for category, finals in EXAMPLE_FINALS.items():
@@ -564,3 +568,42 @@ def test_the_example_table_of_compare_md_is_what_compare_prints(tmp_path):
     heading = doc.read_text().splitlines().index("### Reading the table") + 1
     example = next(block for block in read_blocks(doc) if block.line > heading)
     assert example.text.splitlines() == printed
+
+
+# ---- the common case: two runs, sync and async, one seed each -------------------------------------
+def test_two_runs_give_sync_async_and_the_gap_only(tmp_path, monkeypatch, capsys):
+    """The README's pipeline pair (300 steps, validated every 100, filed by Lightning at 99/199/299): no async+EF
+    column or warning, the runs' own last step, no interval paragraph, a TensorBoard folder of the two series only;
+    and without matplotlib (the plots extra) the table and report still come, with one line saying how to get PNGs."""
+    from lightning_async.compare.events import EVENT_PREFIX
+    from lightning_async.compare.layout import read_layout
+
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    write_fake_run(tmp_path / "1f1b-adamw", mode="sync_pipe", val_loss={99: 3.0, 199: 2.5, 299: 2.24})
+    write_fake_run(tmp_path / "2bw-adamw", mode="async_pipe", delay=1, val_loss={99: 3.3, 199: 3.2, 299: 3.13})
+    out = tmp_path / "compare-pipeline"
+    assert compare_main([str(tmp_path / "2bw-adamw"), str(tmp_path / "1f1b-adamw"), "--output", str(out)]) == 0
+    captured = capsys.readouterr()
+    table = captured.out.split("\n\n")[1].splitlines()
+    assert table[1].split() == ["run", "group", "step", "sync", "async", "gap", "(async-sync)"]
+    assert table[3].split()[:4] == ["adamw", "300", "2.240", "3.130"]
+    assert "async+EF" not in captured.out + captured.err and "EF recovered" not in captured.out
+    assert 'plots:  no PNG curves: matplotlib is not installed (pip install -e ".[plots]" adds them)' in captured.out
+    assert not list(out.glob("*.png"))
+    report = (out / "report.md").read_text()
+    assert report.startswith("# Sync vs async\n") and "Fieller" not in report and "Student t" not in report
+    assert "async+EF" not in report and "## Warnings" not in report
+    assert 'matplotlib is not installed (pip install -e ".[plots]" adds them)' in report
+    assert "| 2bw-adamw | adamw | async_pipe | async | 0.001 | 1 | uniform | none | 0 | 300 | 3.1300 |" in report
+    # TensorBoard's run list: the two series, no run named "." (the layout lives in the first series' folder)
+    tensorboard = out / "tensorboard"
+    assert sorted(p.name for p in tensorboard.iterdir()) == ["async", "sync"]
+    assert not any(p.name.startswith(EVENT_PREFIX) for p in tensorboard.iterdir())
+    assert [c.title for c in read_layout(tensorboard).category] == ["compare: adamw"]
+
+
+def test_the_interval_paragraph_comes_with_seeds(tmp_path):
+    result = compare([make_study(tmp_path)], tmp_path / "report", plots=False)
+    report = result.report.read_text()
+    assert report.startswith("# Sync vs async vs async+EF\n")
+    assert "Fieller's 95% interval" in report and "95% Student t interval" in report

@@ -564,3 +564,32 @@ def test_seq_len_longer_than_the_data(tmp_path):
     longest = int(re.search(r"at most (\d+)\)", str(err.value)).group(1))
     fits = ready(tmp_path, source="text", path=str(tmp_path / "medium.txt"), seq_len=longest, batch_size=32)
     assert len(list(fits.val_dataloader())) >= 1
+
+
+class _Terminal:
+    """A stderr that says it is a terminal and keeps what is written to it."""
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    def write(self, text: str) -> int:
+        self.text += text
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_fast_cache_build_prints_no_empty_progress_bar(tmp_path, monkeypatch, capsys):
+    """The quick start's tokenizing took about a second and printed `0.00tok [00:00, ?tok/s]`: in a log (stderr not a
+    terminal) no bar is drawn at all, and in a terminal only a build slower than the bar's delay draws one."""
+    chunks = [np.arange(256, dtype=np.int64)] * 4
+    TokenCache(tmp_path / "log", "x", {"k": 1}).write(iter(chunks), "uint16", progress=True, desc="tokenizing train")
+    assert "tok" not in capsys.readouterr().err
+    terminal = _Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    meta = TokenCache(tmp_path / "tty", "x", {"k": 1}).write(iter(chunks), "uint16", progress=True, desc="tokenizing train")
+    assert meta["num_tokens"] == 1024 and "0.00tok" not in terminal.text and "tokenizing" not in terminal.text

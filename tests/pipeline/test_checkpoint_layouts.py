@@ -1,4 +1,4 @@
-"""A pipeline checkpoint continues on one device, and a one-device checkpoint on a pipeline (issue 30, the missing layout).
+"""A pipeline checkpoint continues on one device, and a one-device checkpoint on a pipeline (the layout that was missing).
 
 The one-device run is the delay simulation (``DelaySimulation(1)`` + ``ErrorFeedback(1.0)``), which the pipeline
 follows step for step (``test_strategy.py``): the conversions of :mod:`lightning_async.pipeline.one_device`
@@ -32,9 +32,9 @@ ORACLE = 2e-5  # pipeline vs its one-device simulation over a whole run (test_st
 
 
 def _strategy(schedule: str = "2bw"):
-    from lightning_async.strategies import PipelineStrategy
+    from lightning_async.strategies import AsyncPipelineStrategy
 
-    return PipelineStrategy(pipeline_parallel_size=2, n_microbatches=2, schedule=schedule, checkpoint_format="dcp")
+    return AsyncPipelineStrategy(pipeline_parallel_size=2, n_microbatches=2, schedule=schedule, checkpoint_format="dcp")
 
 
 def _callbacks(pipeline: bool) -> list:

@@ -20,9 +20,9 @@ pytestmark = pytest.mark.slow  # the tests here start processes
 
 
 def _strategy(stages: int, shard: bool = False):
-    from lightning_async.strategies import PipelineStrategy
+    from lightning_async.strategies import AsyncPipelineStrategy
 
-    return PipelineStrategy(pipeline_parallel_size=stages, n_microbatches=4, correction="ef", shard_optimizer=shard,
+    return AsyncPipelineStrategy(pipeline_parallel_size=stages, n_microbatches=4, correction="ef", shard_optimizer=shard,
                                  checkpoint_format="dcp")
 
 

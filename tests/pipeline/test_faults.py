@@ -14,7 +14,7 @@ from _pipeline_harness import as_torchrun, spawn
 from test_strategy import SHAPE, TinyData
 
 from lightning_async.lm import CausalLM
-from lightning_async.strategies import PipelineStrategy
+from lightning_async.strategies import AsyncPipelineStrategy
 
 pytestmark = pytest.mark.slow  # the tests here start processes or run the CLI (README.md, Tests)
 
@@ -34,7 +34,7 @@ def _fit_with_a_dying_stage() -> None:
     as_torchrun(timeout=60)
     L.seed_everything(0)
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=PipelineStrategy(n_microbatches=2, timeout=60), max_steps=8,
+        accelerator="cpu", devices=2, strategy=AsyncPipelineStrategy(n_microbatches=2, timeout=60), max_steps=8,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[DieAtBatch(rank=1, batch=2)], num_sanity_val_steps=0, limit_val_batches=0,
     )
@@ -83,7 +83,7 @@ def _fit_outcome(timeout: float, callbacks: list) -> dict:
     as_torchrun(timeout)
     L.seed_everything(0)
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=PipelineStrategy(n_microbatches=2, timeout=timeout), max_steps=8,
+        accelerator="cpu", devices=2, strategy=AsyncPipelineStrategy(n_microbatches=2, timeout=timeout), max_steps=8,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=callbacks, num_sanity_val_steps=0, limit_val_batches=0,
     )
@@ -171,7 +171,7 @@ def _sigterm_outside_training(timeout: float) -> dict:
         L.seed_everything(0)
         signal_at = SigtermAt(rank, where)
         trainer = L.Trainer(
-            accelerator="cpu", devices=2, strategy=PipelineStrategy(n_microbatches=2, timeout=timeout), max_steps=3,
+            accelerator="cpu", devices=2, strategy=AsyncPipelineStrategy(n_microbatches=2, timeout=timeout), max_steps=3,
             logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             callbacks=[signal_at], num_sanity_val_steps=0, limit_val_batches=0 if where == "drain" else None,
         )

@@ -2,7 +2,7 @@
 
 Every scenario runs with and without ``fsdp`` in the same spawn (2 stages x 2 and x 3 replicas, gloo): the whole
 weights of every rank, the losses and the final evaluation must agree, and each replica must hold about 1/dp of its
-stage's weights, gradients and optimizer state. Through the strategy too: ``PipelineStrategy(fsdp=True)`` fits
+stage's weights, gradients and optimizer state. Through the strategy too: ``AsyncPipelineStrategy(fsdp=True)`` fits
 to the same weights and metrics as without. What FSDP inside a stage does not run is refused before any group.
 """
 
@@ -57,7 +57,7 @@ def _checkpoints_move(tmp: str) -> dict:
     import lightning as L
 
     from lightning_async.pipeline.fsdp import whole
-    from lightning_async.strategies import PipelineStrategy
+    from lightning_async.strategies import AsyncPipelineStrategy
     from test_strategy import fit
 
     class Start(L.Callback):
@@ -67,7 +67,7 @@ def _checkpoints_move(tmp: str) -> dict:
             self.weights = {k: whole(v) for k, v in pl_module.state_dict().items()}
 
     def strategy(fsdp):
-        return PipelineStrategy(schedule="2bw", pipeline_parallel_size=2, n_microbatches=2, correction="ef",
+        return AsyncPipelineStrategy(schedule="2bw", pipeline_parallel_size=2, n_microbatches=2, correction="ef",
                                      checkpoint_format="dcp", fsdp=fsdp)
 
     def final(run):
@@ -86,14 +86,14 @@ def _checkpoints_move(tmp: str) -> dict:
 
 def _fit_both() -> list:
     from lightning_async.pipeline.fsdp import whole
-    from lightning_async.strategies import PipelineStrategy
+    from lightning_async.strategies import AsyncPipelineStrategy
     from test_strategy import fit
 
     as_torchrun()
     runs = {}
     for schedule in ("1f1b", "2bw"):
         for fsdp in (False, True):
-            strategy = PipelineStrategy(schedule=schedule, pipeline_parallel_size=2, n_microbatches=2, fsdp=fsdp)
+            strategy = AsyncPipelineStrategy(schedule=schedule, pipeline_parallel_size=2, n_microbatches=2, fsdp=fsdp)
             state, metrics = fit(strategy, 4)
             assert all(hasattr(v, "full_tensor") for v in state.values()) == fsdp  # sharded DTensors under FSDP only
             runs.setdefault(schedule, []).append(({k: whole(v) for k, v in state.items()}, metrics))
@@ -194,13 +194,13 @@ def test_the_strategy_refuses_fsdp_before_launch(kwargs, match):
 def test_the_strategy_refuses_per_stage_checkpoints_under_fsdp():
     import lightning as L
 
-    from lightning_async.strategies import PipelineStrategy
+    from lightning_async.strategies import AsyncPipelineStrategy
 
-    strategy = PipelineStrategy(schedule="1f1b", pipeline_parallel_size=2, fsdp=True)
+    strategy = AsyncPipelineStrategy(schedule="1f1b", pipeline_parallel_size=2, fsdp=True)
     trainer = L.Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False)  # a ModelCheckpoint by default
     with pytest.raises(ValueError, match="pass checkpoint_format='dcp'"):
         strategy._refuse_checkpoints_under_fsdp(trainer)
-    strategy = PipelineStrategy(schedule="1f1b", pipeline_parallel_size=2, fsdp=True, checkpoint_format="dcp")
+    strategy = AsyncPipelineStrategy(schedule="1f1b", pipeline_parallel_size=2, fsdp=True, checkpoint_format="dcp")
     strategy._refuse_checkpoints_under_fsdp(L.Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False))
 
 

@@ -397,7 +397,7 @@ def test_partition_by_time_accepts_pytrees_and_context():
 
 
 def test_strategy_takes_the_activation_checkpointing_switch():
-    from lightning_async.strategies import PipelineStrategy
+    from lightning_async.strategies import AsyncPipelineStrategy
 
-    assert PipelineStrategy().activation_checkpointing is False
-    assert PipelineStrategy(activation_checkpointing=True).activation_checkpointing is True
+    assert AsyncPipelineStrategy().activation_checkpointing is False
+    assert AsyncPipelineStrategy(activation_checkpointing=True).activation_checkpointing is True

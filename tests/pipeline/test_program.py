@@ -36,8 +36,8 @@ def test_a_program_runs_the_schedules_actions_with_their_channels(schedule):
                 assert step.next_receive == (nxt.source if nxt is not None and nxt.remote_input else None)
                 if step.kind == BEGIN_UPDATE:  # a flush applies at once; 2BW later (poll or the next call)
                     applied_now = nxt is not None and nxt.kind == APPLY_UPDATE and nxt.batch == step.batch
-                    assert applied_now == s.flushes
-                assert step.poll == (s.delayed and step.kind not in (APPLY_UPDATE, START_REDUCTIONS))
+                    assert applied_now == s.clock(p).rank(r).applies_at_once
+                assert step.poll == (not s.clock(p).rank(r).applies_at_once and step.kind not in (APPLY_UPDATE, START_REDUCTIONS))
 
 
 def test_the_first_and_last_steps_of_a_call_start_held_reductions_and_apply_updates():

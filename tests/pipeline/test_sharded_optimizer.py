@@ -112,9 +112,9 @@ def test_balanced_owners():
 
 # ---- through Lightning: 2 stages x 2 replicas, checkpoints moving between sharded and unsharded runs ------------
 def _strategy(shard: bool):
-    from lightning_async.strategies import PipelineStrategy
+    from lightning_async.strategies import AsyncPipelineStrategy
 
-    return PipelineStrategy(pipeline_parallel_size=2, n_microbatches=2, correction="ef", shard_optimizer=shard)
+    return AsyncPipelineStrategy(pipeline_parallel_size=2, n_microbatches=2, correction="ef", shard_optimizer=shard)
 
 
 def _lightning_fits(tmp: str) -> dict:
@@ -158,9 +158,9 @@ def test_sharded_fit_and_every_resume_equal_the_unsharded_fit(lightning_fits):
 def test_sharding_one_replica_is_refused_before_launch():
     import lightning as L
 
-    from lightning_async.strategies import PipelineStrategy
+    from lightning_async.strategies import AsyncPipelineStrategy
 
-    strategy = PipelineStrategy(shard_optimizer=True)
+    strategy = AsyncPipelineStrategy(shard_optimizer=True)
     L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
     with pytest.raises(ValueError, match=r"shard_optimizer=True .* one replica \(2 processes = 2 stages x 1\)"):
         strategy.validate_mesh()

@@ -322,12 +322,3 @@ def test_layer_splits():
     assert balanced_layers(8, 8, 1.0, 0.0, 5.0) == [1] * 8
     with pytest.raises(ValueError):
         balanced_layers(3, 4, 1.0, 0.0, 0.0)
-
-
-def test_the_moved_memory_model_and_timeline_are_still_importable_from_timing():
-    """``timing`` re-exports what moved to ``memory`` and ``timeline`` (for one release)."""
-    from lightning_async.pipeline import memory, timeline, timing
-
-    for name in ("WEIGHT_GRAD_SHARE", "inflight_and_versions", "peak_activation_bytes", "schedule_memory"):
-        assert getattr(timing, name) is getattr(memory, name)
-    assert timing.render_timeline is timeline.render_timeline

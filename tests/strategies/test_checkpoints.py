@@ -18,7 +18,7 @@ from test_strategy import SHAPE, TinyData
 from lightning_async.lm import CausalLM
 from lightning_async.pipeline import checkpoint as ckpt
 from lightning_async.strategies.checkpoints import PipelineAwareCheckpointIO
-from lightning_async.strategies import PipelineStrategy
+from lightning_async.strategies import AsyncPipelineStrategy
 
 
 # ---- the directory protocol, without processes --------------------------------------------------------------
@@ -130,7 +130,7 @@ def test_lightnings_launchers_repair_before_last_is_resolved(tmp_path):
     setup; the launching process repairs the checkpoint callbacks' directories before it starts them."""
     path = str(tmp_path / "last.ckpt")
     _crash_between_the_renames(path)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=PipelineStrategy(start_method="spawn"), logger=False,
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=AsyncPipelineStrategy(start_method="spawn"), logger=False,
                         callbacks=[ModelCheckpoint(dirpath=str(tmp_path), filename="last")])
     trainer.strategy.validate_launch(trainer)
     assert sorted(os.listdir(tmp_path)) == ["last.ckpt"] and ckpt.read_meta(path)["global_step"] == 4
@@ -183,7 +183,7 @@ def test_a_single_device_run_refuses_a_pipeline_checkpoint_clearly(tmp_path):
 def _fit(steps: int, callbacks=(), ckpt_path=None, plugins=(), **strategy) -> L.Trainer:
     L.seed_everything(0)
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=PipelineStrategy(n_microbatches=2, **strategy), max_steps=steps,
+        accelerator="cpu", devices=2, strategy=AsyncPipelineStrategy(n_microbatches=2, **strategy), max_steps=steps,
         logger=False, enable_checkpointing=bool(callbacks), enable_progress_bar=False, enable_model_summary=False,
         callbacks=list(callbacks), limit_val_batches=0, num_sanity_val_steps=0, plugins=list(plugins),
     )

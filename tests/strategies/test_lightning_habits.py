@@ -1,4 +1,4 @@
-"""A Lightning user's own habits under the pipeline, against the same module on one device (issue 31).
+"""A Lightning user's own habits under the pipeline, against the same module on one device.
 
 One spawn of four processes runs every pipeline scenario (as torchrun starts ranks, a fresh default group each):
 a classifier whose ``pipeline_loss`` returns ``(loss, {"hit": tensor, "accuracy": MulticlassAccuracy})`` fits under
@@ -29,7 +29,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from _pipeline_harness import in_world, spawn
 from lightning_async.callbacks import DelaySimulation, RunTelemetry
 from lightning_async.data.sampler import ResumableDataLoader, ResumableShuffleSampler, trainer_position
-from lightning_async.strategies import PipelineStrategy, refusals
+from lightning_async.strategies import AsyncPipelineStrategy, refusals
 
 CLASSES, STEPS, BATCH, TOL = 4, 8, 8, 1e-6
 TRAIN_ROWS, VAL_ROWS, TEST_ROWS, PREDICT_ROWS = 32, 20, 12, 9  # last evaluation batches smaller; 9 rows: replicas differ
@@ -144,7 +144,7 @@ def _pipeline(tmp: str, name: str, resume: str | None = None) -> dict:
     ckpt_dir, log_dir = os.path.join(tmp, f"ckpt-{name}"), os.path.join(tmp, f"logs-{name}-{resume is not None}")
     callbacks = [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=4, save_top_k=-1, filename="{step}"),
                  ModelCheckpoint(dirpath=os.path.join(ckpt_dir, "best"), monitor="val/accuracy", mode="max")]
-    strategy = PipelineStrategy(schedule=schedule, n_microbatches=4, pipeline_parallel_size=stages)
+    strategy = AsyncPipelineStrategy(schedule=schedule, n_microbatches=4, pipeline_parallel_size=stages)
     trainer = _trainer(strategy, stages * replicas, log_dir, callbacks=callbacks if resume is None else ())
     model, data = Classifier(), Data()
     trainer.fit(model, datamodule=data, ckpt_path=resume)
@@ -233,7 +233,7 @@ def test_spawned_predict_returns_every_prediction_to_the_main_process(habits):
     L.seed_everything(0)
     model = Classifier()
     model.load_state_dict(habits[0]["2bw"]["state"])
-    trainer = _trainer(PipelineStrategy(n_microbatches=2, start_method="spawn"), 2)
+    trainer = _trainer(AsyncPipelineStrategy(n_microbatches=2, start_method="spawn"), 2)
     predicted = trainer.predict(model, datamodule=Data())
     assert len(predicted) == 3 and torch.equal(torch.cat([b["label"] for b in predicted]),
                                                torch.cat([b["label"] for b in habits[0]["2bw"]["predict"]]))
@@ -266,7 +266,7 @@ def test_optimizers_that_need_the_trainer_are_counted_once_it_is_attached():
     """The launcher cannot count them (the strategy then counts at setup, on every rank, before the split)."""
     module = TwoOptimizersNeedingTheTrainer()
     assert refusals.count_optimizers(module) is None
-    module.trainer = L.Trainer(accelerator="cpu", devices=2, strategy=PipelineStrategy(), logger=False, max_steps=1)
+    module.trainer = L.Trainer(accelerator="cpu", devices=2, strategy=AsyncPipelineStrategy(), logger=False, max_steps=1)
     assert refusals.count_optimizers(module) == 2
     with pytest.raises(ValueError, match="configure_optimizers returned 2 optimizers"):
         refusals.refuse_optimizers(module, refusals.count_optimizers(module))
@@ -286,20 +286,26 @@ def no_rank_starts(monkeypatch):
     monkeypatch.setattr(_SubprocessScriptLauncher, "_call_children_scripts", started)
 
 
+class OwnClipping(Classifier):
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.clip_gradients(optimizer, 0.5, "norm")
+
+
 @pytest.mark.parametrize("module, trainer_kwargs, message", [
     (ManualClassifier, {}, r"automatic_optimization = False cannot run under a pipeline strategy"),
     (TwoOptimizers, {}, r"configure_optimizers returned 2 optimizers, but the pipeline strategy steps exactly one"),
     (Classifier, {"accumulate_grad_batches": 2}, r"accumulate_grad_batches=2 with a pipeline strategy.*n_microbatches"),
     (Classifier, {"gradient_clip_val": 1.0, "gradient_clip_algorithm": "value"}, r"gradient_clip_algorithm='value'.*'norm'"),
+    (OwnClipping, {}, r"OwnClipping overrides configure_gradient_clipping, which a pipeline strategy cannot honour"),
 ])
 def test_unsupported_training_is_refused_before_any_rank_starts(no_rank_starts, module, trainer_kwargs, message):
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=PipelineStrategy(), logger=False, max_steps=1, **trainer_kwargs)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=AsyncPipelineStrategy(), logger=False, max_steps=1, **trainer_kwargs)
     with pytest.raises(ValueError, match=message):
         trainer.fit(module(), datamodule=Data())
 
 
 def test_steps_the_pipeline_does_not_run_are_named_once(no_rank_starts):
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=PipelineStrategy(), logger=False, accumulate_grad_batches=2)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=AsyncPipelineStrategy(), logger=False, accumulate_grad_batches=2)
     with pytest.warns(UserWarning, match=r"LoggingSteps overrides training_step, validation_step, test_step, which the pipeline"):
         with pytest.raises(ValueError, match="accumulate_grad_batches"):
             trainer.fit(LoggingSteps(), datamodule=Data())
@@ -338,14 +344,14 @@ def test_extra_values_on_one_process_are_averaged_as_the_loss_is():
 
 
 def test_run_telemetry_logs_the_learning_rate_learning_rate_monitor_logs(tmp_path):
-    """Before: at step t ``lr/adamw`` showed the rate a per-step scheduler had already set for batch t + 1."""
+    """Before: at step t ``train/lr/adamw`` (then ``lr/adamw``) showed the rate a per-step scheduler had already set for batch t + 1."""
     L.seed_everything(0)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=10, logger=CSVLogger(str(tmp_path)), log_every_n_steps=1,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0, callbacks=[RunTelemetry(), LearningRateMonitor()])
     data = DataLoader(TensorDataset(*_tensors(80, 5)), batch_size=8)
     trainer.fit(Classifier(), data)  # AdamW, a per-step StepLR
-    ours, monitor = _logged_steps(str(tmp_path), "lr/group0"), _logged_steps(str(tmp_path), "lr-AdamW")
+    ours, monitor = _logged_steps(str(tmp_path), "train/lr/group0"), _logged_steps(str(tmp_path), "lr-AdamW")
     assert sorted(ours) == sorted(monitor) == list(range(10))
     assert all(ours[step] == pytest.approx(monitor[step], rel=1e-6) for step in ours)  # (self.log keeps float32)
     assert monitor[9] != pytest.approx(monitor[8])  # the schedule moves every step (so a shifted log would differ)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from _pipeline_harness import as_torchrun, spawn
 from lightning_async.data import TextDataModule
 from lightning_async.lm import CausalLM
-from lightning_async.strategies import PipelineStrategy
+from lightning_async.strategies import AsyncPipelineStrategy
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -44,7 +44,7 @@ def _two_nodes(tmp: str) -> dict:
                           cache_dir=os.path.join(tmp, f"cache-node{rank}"), progress=False)
     log = Batches()
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, num_nodes=2, strategy=PipelineStrategy(n_microbatches=2), max_steps=6,
+        accelerator="cpu", devices=1, num_nodes=2, strategy=AsyncPipelineStrategy(n_microbatches=2), max_steps=6,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[log], limit_val_batches=0,
     )

@@ -32,7 +32,7 @@ from _pipeline_harness import spawn
 from lightning_async.callbacks import DelaySimulation
 from lightning_async.data.sampler import ResumableShuffleSampler
 from lightning_async.lm import CausalLM
-from lightning_async.strategies import PipelineStrategy
+from lightning_async.strategies import AsyncPipelineStrategy
 
 pytestmark = pytest.mark.slow
 
@@ -48,6 +48,34 @@ SCENARIOS = {
     "2bw-p3": (3, 1, "2bw"),
     "2bw-p2-dp2": (2, 2, "2bw"),
 }
+
+
+class HookRecorder(L.Callback):
+    """Lightning's step hooks as they fire: per hook, the batch each call belongs to (the pipeline strategy's
+    ``hook_batch``, else the step) and the squared norm of every parameter's ``.grad`` by name."""
+
+    HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad")
+
+    def __init__(self) -> None:
+        self.calls: dict[str, list[tuple[int, dict[str, float]]]] = {h: [] for h in self.HOOKS}
+
+    def _record(self, hook: str, trainer, pl_module) -> None:
+        batch = getattr(trainer.strategy, "hook_batch", None)
+        grads = {n: float(p.grad.float().pow(2).sum())
+                 for n, p in pl_module.named_parameters(remove_duplicate=False) if p.grad is not None}
+        self.calls[hook].append((trainer.global_step if batch is None else batch, grads))
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        self._record("on_before_backward", trainer, pl_module)
+
+    def on_after_backward(self, trainer, pl_module):
+        self._record("on_after_backward", trainer, pl_module)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self._record("on_before_optimizer_step", trainer, pl_module)
+
+    def on_before_zero_grad(self, trainer, pl_module, optimizer):
+        self._record("on_before_zero_grad", trainer, pl_module)
 
 
 def _rows(n: int, seed: int) -> list[torch.Tensor]:
@@ -104,14 +132,15 @@ def _pipeline_fit(name: str, tmp: str) -> dict:
     stages, replicas, schedule = SCENARIOS[name]
     model = _model()
     log_dir = os.path.join(tmp, name)
-    trainer = _trainer(PipelineStrategy(schedule=schedule, n_microbatches=4, pipeline_parallel_size=stages),
-                       stages * replicas, log_dir, max_steps=STEPS, val_check_interval=STEPS)
+    hooks = HookRecorder()
+    trainer = _trainer(AsyncPipelineStrategy(schedule=schedule, n_microbatches=4, pipeline_parallel_size=stages),
+                       stages * replicas, log_dir, max_steps=STEPS, val_check_interval=STEPS, callbacks=[hooks])
     trainer.fit(model, datamodule=Data())
     val = float(trainer.callback_metrics["val/loss"])
     test = trainer.test(model, datamodule=Data(), verbose=False)[0]["test/loss"]
     state = trainer.strategy.gather_full_state_dict()
     return {"val": val, "test": test, "state": state if dist.get_rank() == 0 else None,
-            "train": _logged_training(log_dir) if dist.get_rank() == 0 else None}
+            "train": _logged_training(log_dir) if dist.get_rank() == 0 else None, "hooks": hooks.calls}
 
 
 def _validate_on_one_device() -> tuple[CausalLM, float]:
@@ -122,7 +151,7 @@ def _validate_on_one_device() -> tuple[CausalLM, float]:
 
 def _pipeline_validate(model: CausalLM) -> dict:
     """The same module object, now by a 2-stage pipeline in the same process."""
-    trainer = _trainer(PipelineStrategy(schedule="2bw", n_microbatches=2), 2)
+    trainer = _trainer(AsyncPipelineStrategy(schedule="2bw", n_microbatches=2), 2)
     val = trainer.validate(model, datamodule=Data(), verbose=False)[0]["val/loss"]
     test = trainer.test(model, datamodule=Data(), verbose=False)[0]["test/loss"]
     return {"val": val, "test": test}
@@ -180,7 +209,7 @@ def test_spawned_pipeline_validate_after_a_single_device_validate():
     """The user's path: validate on one device, then the same module object through Lightning's spawn launcher."""
     model, single = _validate_on_one_device()
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    trainer = _trainer(PipelineStrategy(schedule="2bw", n_microbatches=2, start_method="spawn"), 2)
+    trainer = _trainer(AsyncPipelineStrategy(schedule="2bw", n_microbatches=2, start_method="spawn"), 2)
     val = trainer.validate(model, datamodule=Data(), verbose=False)[0]["val/loss"]
     assert val == pytest.approx(single, abs=TOL)
     assert val == pytest.approx(_single_device_eval(state)[0], abs=TOL)
@@ -195,9 +224,9 @@ def test_validate_then_fit_on_one_device():
     assert 3.0 < first < 7.0 and trainer.global_step == 2
 
 
-def _single_device_training(tmp: str, delayed: bool, batch_size: int) -> dict[int, dict[str, float]]:
+def _single_device_training(tmp: str, delayed: bool, batch_size: int, hooks: HookRecorder | None = None) -> dict[int, dict[str, float]]:
     log_dir = os.path.join(tmp, f"single-{delayed}-{batch_size}")
-    callbacks = [DelaySimulation(1)] if delayed else []
+    callbacks = ([DelaySimulation(1)] if delayed else []) + ([hooks] if hooks is not None else [])
     trainer = _trainer("auto", 1, log_dir, max_steps=STEPS, limit_val_batches=0, callbacks=callbacks)
     trainer.fit(_model(), datamodule=Data(batch_size))
     return _logged_training(log_dir)
@@ -213,3 +242,37 @@ def test_logged_training_loss_and_tokens(reported, name, tmp_path):
     for step, values in logged.items():
         assert values["train/loss"] == pytest.approx(reference[step - lag]["train/loss"], abs=2e-5)
         assert values["train/tokens"] == reference[step]["train/tokens"]
+
+
+@pytest.mark.parametrize("name", [n for n, (_, replicas, _) in SCENARIOS.items() if replicas == 1])
+def test_lightning_step_hooks_fire_per_batch_with_that_batchs_gradients(reported, name, tmp_path):
+    """Under the pipeline Lightning's step hooks fire on every rank once per batch, around the rank's own backwards
+    and before its update, with its stage's gradients of that batch (2BW: the batch may be the step before): every
+    parameter's gradient norm equals the one-device run's (plain training for 1f1b, DelaySimulation for 2bw) at
+    the same batch, in on_before_optimizer_step, and in on_after_backward but for a tied weight (there a rank
+    holds its own use's gradient; the other stage's is summed in before the update)."""
+    stages, _, schedule = SCENARIOS[name]
+    single = HookRecorder()
+    _single_device_training(str(tmp_path), schedule == "2bw", BATCH, single)
+    for hook in HookRecorder.HOOKS:
+        assert [b for b, _ in single.calls[hook]] == list(range(STEPS)), hook
+    held = [set().union(*(g for _, g in reported[r][name]["hooks"]["on_before_optimizer_step"])) for r in range(stages)]
+    names: dict[int, list[str]] = {}
+    for n, p in _model().named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    tied = {n for same in names.values() if len(same) > 1 for n in same}  # (the embedding and the head)
+    assert tied, "the test model ties its embedding and head"
+    for rank in range(stages):
+        calls = reported[rank][name]["hooks"]
+        for hook in HookRecorder.HOOKS:  # once per batch and rank (the drain at the end of fit runs the rest)
+            assert sorted(b for b, _ in calls[hook]) == list(range(STEPS)), (rank, hook)
+        for hook in ("on_after_backward", "on_before_optimizer_step"):
+            for batch, grads in calls[hook]:
+                reference = dict(single.calls[hook])[batch]
+                assert grads and set(grads) <= set(reference), (rank, hook)
+                for param, value in grads.items():
+                    if hook == "on_after_backward" and param in tied:
+                        continue  # (a rank's own use of a tied weight: the other stage's part is summed in later)
+                    assert value == pytest.approx(reference[param], rel=1e-4, abs=1e-9), (rank, hook, batch, param)
+    assert set().union(*held) <= set(dict(single.calls["on_before_optimizer_step"])[0])
+    assert {n for same in names.values() for n in same[:1]} <= set().union(*held)  # every parameter on some stage

@@ -1,4 +1,4 @@
-"""``PipelineStrategy`` through Lightning: equality with the single-device callbacks, checkpoints,
+"""``AsyncPipelineStrategy`` through Lightning: equality with the single-device callbacks, checkpoints,
 logging, bad input and a dead rank. All Lightning pipeline fits share one spawn of two processes
 (they run as torchrun would start them: environment variables, no launcher)."""
 
@@ -20,7 +20,7 @@ from lightning_async.lm import CausalLM
 from lightning_async.pipeline.partition import partition_units
 from lightning_async.data.sampler import ResumableDataLoader, ResumableShuffleSampler, trainer_position
 from lightning_async import compat
-from lightning_async.strategies import PipelineStrategy
+from lightning_async.strategies import AsyncPipelineStrategy
 from lightning_async.optim import build_correction
 from lightning_async.pipeline.contract import check_pipeline_contract
 
@@ -97,7 +97,7 @@ def _fit_regressor() -> list[float]:
             losses.append(float(trainer.callback_metrics.get("train/loss", float("nan"))))
 
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=PipelineStrategy(n_microbatches=4, partition="parameters"),
+        accelerator="cpu", devices=2, strategy=AsyncPipelineStrategy(n_microbatches=4, partition="parameters"),
         max_epochs=3, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[Record()],
     )
@@ -110,10 +110,10 @@ def _fit_then_validate() -> tuple[float, float]:
     L.seed_everything(0)
     model = CausalLM(vocab_size=257, model_overrides=SHAPE, lr=3e-3)
     kwargs = dict(accelerator="cpu", devices=2, logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=2)
-    trainer = L.Trainer(strategy=PipelineStrategy(n_microbatches=2, partition="parameters"), max_steps=4,
+    trainer = L.Trainer(strategy=AsyncPipelineStrategy(n_microbatches=2, partition="parameters"), max_steps=4,
                         val_check_interval=4, num_sanity_val_steps=0, enable_checkpointing=False, **kwargs)
     trainer.fit(model, datamodule=TinyData())
-    validated = L.Trainer(strategy=PipelineStrategy(n_microbatches=2, partition="parameters"), **kwargs)
+    validated = L.Trainer(strategy=AsyncPipelineStrategy(n_microbatches=2, partition="parameters"), **kwargs)
     result = validated.validate(model, datamodule=TinyData(), verbose=False)
     return float(trainer.callback_metrics["val/loss"]), result[0]["val/loss"]
 
@@ -121,12 +121,12 @@ def _fit_then_validate() -> tuple[float, float]:
 def _pipeline_fits(tmp: str) -> dict:
     """Runs on each of two ranks (environment set like torchrun)."""
     out = {"regressor": _fit_regressor(), "fit_then_validate": _fit_then_validate()}
-    out["bf16"] = fit(PipelineStrategy(n_microbatches=2), 2, precision="bf16-mixed")
+    out["bf16"] = fit(AsyncPipelineStrategy(n_microbatches=2), 2, precision="bf16-mixed")
     ckpt_dir = os.path.join(tmp, "ckpt")
-    out["async"] = fit(PipelineStrategy(n_microbatches=2), 2, ckpt_dir=ckpt_dir)
-    out["async_ef"] = fit(PipelineStrategy(n_microbatches=2), 2, callbacks=[ErrorFeedback(1.0)])
+    out["async"] = fit(AsyncPipelineStrategy(n_microbatches=2), 2, ckpt_dir=ckpt_dir)
+    out["async_ef"] = fit(AsyncPipelineStrategy(n_microbatches=2), 2, callbacks=[ErrorFeedback(1.0)])
     out["sync"] = fit("sync_pipe", 2)
-    out["resumed"] = fit(PipelineStrategy(n_microbatches=2), 2, ckpt_path=os.path.join(ckpt_dir, "step=4.ckpt"))
+    out["resumed"] = fit(AsyncPipelineStrategy(n_microbatches=2), 2, ckpt_path=os.path.join(ckpt_dir, "step=4.ckpt"))
     out["files"] = sorted(os.listdir(os.path.join(ckpt_dir, "step=4.ckpt")))
     return out
 
@@ -192,8 +192,8 @@ def test_checkpoint_loads_into_the_plain_module(pipeline_fits, tmp_path):
 
 
 # ---- bad input: raised before any process group exists ---------------------------------------
-def _strategy(devices: int, **kwargs) -> PipelineStrategy:
-    strategy = PipelineStrategy(**kwargs)
+def _strategy(devices: int, **kwargs) -> AsyncPipelineStrategy:
+    strategy = AsyncPipelineStrategy(**kwargs)
     L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, logger=False)
     return strategy
 
@@ -215,7 +215,7 @@ def test_nccl_on_cpu():
 
 def test_gloo_on_gpus(monkeypatch):
     strategy = _strategy(2, process_group_backend="gloo")
-    monkeypatch.setattr(PipelineStrategy, "root_device", property(lambda self: torch.device("cuda", 0)))
+    monkeypatch.setattr(AsyncPipelineStrategy, "root_device", property(lambda self: torch.device("cuda", 0)))
     with pytest.raises(ValueError, match="'gloo' cannot send CUDA tensors"):
         strategy.validate_mesh()
 
@@ -235,7 +235,7 @@ def test_corrections_need_the_delayed_schedule():
     """One check, one message, wherever a correction meets a synchronous schedule."""
     message = r"corrects the one-step delay of schedule '2bw', but schedule '1f1b' is synchronous.*async_pipe"
     with pytest.raises(ValueError, match="The 'ef' correction " + message):
-        PipelineStrategy(schedule="1f1b", correction="ef")
+        AsyncPipelineStrategy(schedule="1f1b", correction="ef")
     with pytest.raises(ValueError, match="The 'nesterov' correction " + message):
         rank_runtime([("linear", nn.Linear(2, 2))], "1f1b", 1, lambda b: b, lambda y, t: y,
                      correction=build_correction("nesterov"))
@@ -264,7 +264,7 @@ def test_spawn_returns_every_stage_to_the_main_process(pipeline_fits):
     L.seed_everything(0)
     model = CausalLM(vocab_size=257, model_overrides=SHAPE, optimizer="adamw", lr=3e-3)
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=PipelineStrategy(n_microbatches=2, start_method="spawn"),
+        accelerator="cpu", devices=2, strategy=AsyncPipelineStrategy(n_microbatches=2, start_method="spawn"),
         max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         val_check_interval=4, num_sanity_val_steps=1, limit_val_batches=2, gradient_clip_val=1.0,
     )
@@ -275,15 +275,15 @@ def test_spawn_returns_every_stage_to_the_main_process(pipeline_fits):
 
 def test_unknown_schedule_names_the_choices():
     with pytest.raises(ValueError, match=r"Unknown pipeline schedule '2bx'\. Choose one of: gpipe, 1f1b, zbh1, interleaved, zbv, 2bw, 2bw-split \(or strategy='async_pipe'"):
-        PipelineStrategy(schedule="2bx")
+        AsyncPipelineStrategy(schedule="2bx")
 
 
 def test_virtual_stages_apply_to_the_interleaved_schedule_only():
-    assert PipelineStrategy(schedule="interleaved", virtual_stages=3).schedule_spec.chunks == 3
+    assert AsyncPipelineStrategy(schedule="interleaved", virtual_stages=3).schedule_spec.chunks == 3
     with pytest.raises(ValueError, match="virtual_stages=3 applies to schedule 'interleaved' only"):
-        PipelineStrategy(schedule="zbv", virtual_stages=3)
+        AsyncPipelineStrategy(schedule="zbv", virtual_stages=3)
     with pytest.raises(ValueError, match="virtual_stages must be an integer >= 2"):
-        PipelineStrategy(schedule="interleaved", virtual_stages=1)
+        AsyncPipelineStrategy(schedule="interleaved", virtual_stages=1)
 
 
 def test_too_few_units_for_the_chunks_names_the_pieces():
@@ -302,7 +302,7 @@ def test_out_of_order_schedules_are_refused_on_nccl():
 def test_timeout_must_be_positive(timeout):
     """Before: a negative timeout reached torch's C++ process-group constructor (a raw stack trace)."""
     with pytest.raises(ValueError, match=f"timeout must be a positive number of seconds .*got {timeout}"):
-        PipelineStrategy(timeout=timeout)
+        AsyncPipelineStrategy(timeout=timeout)
 
 
 def test_refused_mesh_starts_no_other_rank(monkeypatch):
@@ -314,27 +314,26 @@ def test_refused_mesh_starts_no_other_rank(monkeypatch):
         raise AssertionError("other ranks were started before the configuration was checked")
 
     monkeypatch.setattr(_SubprocessScriptLauncher, "_call_children_scripts", started)
-    trainer = L.Trainer(accelerator="cpu", devices=8, strategy=PipelineStrategy(), logger=False, max_steps=1)
+    trainer = L.Trainer(accelerator="cpu", devices=8, strategy=AsyncPipelineStrategy(), logger=False, max_steps=1)
     with pytest.raises(ValueError, match="Cannot split 6 pipeline units into 8 stages"):
         trainer.fit(CausalLM(vocab_size=257, model_overrides=SHAPE), datamodule=TinyData())
 
 
 def test_one_way_to_set_a_correction():
-    """The strategy's ``correction=`` and the callbacks set the same setting; the deprecated ``error_feedback=`` maps
-    onto it; two different ones are refused."""
+    """The strategy's ``correction=`` and the callbacks set the same setting; ``error_feedback=`` (removed in 0.2.0)
+    says what to write instead; two different ones are refused."""
     from lightning_async.optim import ErrorFeedbackCorrection
 
-    built = PipelineStrategy(correction={"method": "ef", "strength": 0.5}).make_correction()
+    built = AsyncPipelineStrategy(correction={"method": "ef", "strength": 0.5}).make_correction()
     assert isinstance(built, ErrorFeedbackCorrection) and built.strength == 0.5
-    with pytest.warns(DeprecationWarning, match="correction="):
-        old = PipelineStrategy(error_feedback=1.0)
-    assert old.correction == {"method": "ef", "strength": 1.0}
+    with pytest.raises(ValueError, match=r"removed in 0.2.0: pass correction=\{'method': 'ef', 'strength': S\}"):
+        AsyncPipelineStrategy(error_feedback=1.0)
     from types import SimpleNamespace
 
     from lightning_async.callbacks import DelayCorrection, ErrorFeedback
     from lightning_async.callbacks.delay import pipeline_correction_setting
 
-    strategy = PipelineStrategy(correction="ef")
+    strategy = AsyncPipelineStrategy(correction="ef")
     agreeing = SimpleNamespace(callbacks=[ErrorFeedback()], strategy=strategy)  # a callback agreeing with the constructor
     assert isinstance(strategy.make_correction(agreeing), ErrorFeedbackCorrection)
     from_callback = pipeline_correction_setting(SimpleNamespace(callbacks=[DelayCorrection("nesterov")]), None)
@@ -342,21 +341,21 @@ def test_one_way_to_set_a_correction():
     with pytest.raises(ValueError, match="choose one"):
         strategy.make_correction(SimpleNamespace(callbacks=[DelayCorrection("nesterov")], strategy=strategy))
     with pytest.raises(ValueError, match="Unknown correction 'efx'"):
-        PipelineStrategy(correction="efx")
+        AsyncPipelineStrategy(correction="efx")
     with pytest.raises(ValueError, match="changes the weights the forward reads"):
-        PipelineStrategy(correction="weight-prediction")
+        AsyncPipelineStrategy(correction="weight-prediction")
 
 
 def test_run_identity_reads_the_correction_the_runtime_holds():
     """Before: telemetry built the correction a third time from the strategy's settings (and recorded
-    PipelineStrategy(error_feedback=1.0) as no correction)."""
+    AsyncPipelineStrategy(error_feedback=1.0) as no correction)."""
     from types import SimpleNamespace
 
     from lightning_async.callbacks import run_identity
 
     model = CausalLM(vocab_size=257, model_overrides=SHAPE)
     for correction, expected in ((build_correction("ef", 1.0), 1.0), (None, 0.0)):
-        strategy = PipelineStrategy()
+        strategy = AsyncPipelineStrategy()
         trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
         strategy.runtime = SimpleNamespace(correction=correction)
         identity = run_identity(trainer, model)
@@ -369,7 +368,7 @@ def test_a_failing_launcher_process_ends_the_ranks_it_started():
     import subprocess
     import sys
 
-    strategy = PipelineStrategy()
+    strategy = AsyncPipelineStrategy()
     L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
     assert isinstance(strategy.launcher, compat.PipelineScriptLauncher)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])

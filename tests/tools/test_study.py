@@ -271,7 +271,7 @@ def test_diverged_runs_are_reported_and_not_retried(tmp_path, capsys):
     assert marker == {"step": 6, "metric": "train/loss", "value": "nan", "source": "loss curve"}
     # the gap table marks both, and uses neither
     report = (tmp_path / "out" / "compare" / "report.md").read_text()
-    assert "| adamw | 10 | 2.600 | DIVERGED at step 3 | DIVERGED at step 6 | n/a (async diverged) |" in report
+    assert "| adamw | 11 | 2.600 | DIVERGED at step 3 | DIVERGED at step 6 | n/a (async diverged) |" in report
     # a rerun keeps them (diverging again would teach nothing) and says so
     again = FakeRunner()
     assert study_main(["--config", str(path), "--no-compare"], runner=again) == 0

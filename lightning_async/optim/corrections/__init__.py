@@ -7,7 +7,6 @@ formulas and references).
 
 from __future__ import annotations
 
-import warnings
 
 from lightning_async.identity import KNOWN_CORRECTIONS, NO_CORRECTION
 from lightning_async.optim.corrections.base import FORWARD, GRADIENT, UPDATE, Correction, ParameterBuffers
@@ -64,18 +63,6 @@ def as_correction(setting) -> Correction | None:
         f"A correction is a method name ({', '.join(CORRECTIONS)}), a dict of build_correction arguments or a "
         f"Correction, got {type(setting).__name__}."
     )
-
-
-def correction_from_arguments(correction, error_feedback: float | None, owner: str):
-    """``owner``'s ``correction=`` setting, with its deprecated ``error_feedback=strength`` mapped onto it
-    (``{"method": "ef", "strength": strength}``; both given is refused)."""
-    if error_feedback is None:
-        return correction
-    warnings.warn(f"{owner}(error_feedback=...) is deprecated: use correction={{'method': 'ef', 'strength': ...}}.",
-                  DeprecationWarning, stacklevel=3)
-    if correction is not None:
-        raise ValueError(f"Give {owner} either correction= or the deprecated error_feedback=, not both.")
-    return {"method": "ef", "strength": float(error_feedback)} if error_feedback else None
 
 
 def check_applicable(correction: Correction | None, schedule=None, delay_sources: int = 0, name: str | None = None) -> None:

@@ -1,0 +1,146 @@
+"""The update clock against the update rule: every schedule x p in 2..4, its lowered programs replayed.
+
+Each rank's programs (calls and a drain, lowered as the runtime lowers them) are replayed with weight versions
+tracked as "how many updates they contain". Updates land as late as the program allows (only at APPLY_UPDATE) or
+as early as it allows (at every poll): either way every forward and backward must read exactly the version the
+clock names, and that must be the version the one-device DelayedOptimizer (the oracle's rule) gives the same batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_async.optim.clock import PieceClock
+from lightning_async.optim.delay import DelayedOptimizer
+from lightning_async.pipeline.program import APPLY_UPDATE, BEGIN_UPDATE, COMPUTE, START_REDUCTIONS, lower
+from lightning_async.pipeline.schedules import SCHEDULES, UPDATE, spec
+
+BATCHES = 5
+
+
+def _microbatches(s, p: int) -> int:
+    return 2 * p  # every schedule takes it (interleaved: a multiple of p)
+
+
+def oracle_versions(delay: int, batches: int) -> list[int]:
+    """Updates contained in the weights each batch's forward reads under DelayedOptimizer(pairing="2bw"): an SGD
+    step of 1 on a gradient of 1 takes one from a counter weight per update."""
+    w = torch.nn.Parameter(torch.zeros(()))
+    opt = DelayedOptimizer(torch.optim.SGD([w], lr=1.0), delay=delay, pairing="2bw")
+    seen = []
+    for _ in range(batches):
+        seen.append(-int(w.detach().item()))  # what this batch's forward reads
+        w.grad = torch.ones(())
+        opt.step()
+    return seen
+
+
+def replay(schedule, p: int, eager: bool) -> dict:
+    """Replay every rank's programs; return what each rank read and applied, per call."""
+    s = spec(schedule)
+    m, clock = _microbatches(s, p), s.clock(p)
+    out = {"applied_after_call": [[0] * BATCHES for _ in range(p)], "losses_by_call": [set() for _ in range(BATCHES)]}
+    for r in range(p):
+        rc = clock.rank(r)
+        slots = [0] * rc.versions  # updates each slot's version contains
+        applied, pending, held = 0, [], set()
+
+        def land(b: int) -> None:
+            nonlocal applied
+            assert b == applied, f"{schedule} p={p} rank {r}: update {b} applied out of order (next is {applied})"
+            slots[rc.write_slot(b)] = b + 1
+            applied = b + 1
+            pending.remove(b)
+
+        calls = [s.call_actions(r, p, m, b, fresh=b == 0) for b in range(BATCHES)]
+        for c in range(BATCHES + 1):
+            if c < BATCHES:
+                due = rc.due_before(c)
+                program = lower(s, r, p, calls[c], start=tuple(sorted(held)), apply_first=() if due is None else (due,))
+            else:  # the drain
+                program = lower(s, r, p, s.drain_actions(r, p, m, BATCHES - 1), start=tuple(sorted(held)),
+                                apply_last=tuple(sorted({*pending, BATCHES - 1})))
+            for step in program:
+                if step.poll and eager:
+                    while pending and pending[0] not in held:
+                        land(pending[0])
+                if step.kind == START_REDUCTIONS:
+                    held.discard(step.batch)
+                elif step.kind == BEGIN_UPDATE:
+                    pending.append(step.batch)
+                    if clock.defers_reductions(r):
+                        held.add(step.batch)
+                elif step.kind == APPLY_UPDATE:
+                    if step.batch in pending:
+                        held.discard(step.batch)
+                        land(step.batch)
+                elif step.kind in COMPUTE:
+                    got, want = slots[rc.read_slot(step.batch)], rc.updates_read(step.batch)
+                    assert got == want, (f"{schedule} p={p} rank {r} call {c}: {step.kind}{step.microbatch} of batch "
+                                         f"{step.batch} read a version with {got} updates, the clock says {want}")
+                    if step.kind == "F" and step.target is None and c < BATCHES:
+                        out["losses_by_call"][c].add((step.batch, step.microbatch))
+            if c < BATCHES:
+                out["applied_after_call"][r][c] = applied
+        assert not pending and applied == BATCHES  # the drain applied every update
+    out["m"] = m
+    return out
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_the_clock_answers_as_the_update_rule(schedule, p):
+    s = spec(schedule)
+    clock = s.clock(p)
+    rule = oracle_versions(s.delay, BATCHES)
+    for r in range(p):
+        assert [clock.rank(r).updates_read(b) for b in range(BATCHES)] == rule
+    for eager in (False, True):
+        seen = replay(schedule, p, eager)
+        for calls_done in range(1, BATCHES + 1):  # the settled gradient norm's update has landed on every rank
+            settled = clock.rank(0).settled_update(calls_done)
+            assert all(seen["applied_after_call"][r][calls_done - 1] >= settled + 1 for r in range(p))
+        finished: set = set()
+        for step in range(BATCHES):  # the reported loss's batch has every micro-batch's loss on the last stage
+            finished |= seen["losses_by_call"][step]
+            batch = clock.reported_loss(step)
+            if batch is not None:
+                assert {(batch, batch * seen["m"] + i) for i in range(seen["m"])} <= finished
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_reductions_are_held_back_where_a_rank_updates_a_call_early(schedule):
+    """A rank defers its cross-stage reductions exactly when another rank begins the same update a call later."""
+    s = spec(schedule)
+    for p in (2, 3, 4):
+        m = _microbatches(s, p)
+        begins = [next(c for c in range(4) if any(a.kind == UPDATE and a.batch == 2
+                                                  for a in s.call_actions(r, p, m, c, fresh=c == 0)))
+                  for r in range(p)]
+        assert [s.clock(p).defers_reductions(r) for r in range(p)] == [b < max(begins) for b in begins]
+    assert not spec(schedule).clock(1).defers_reductions(0)
+
+
+def test_a_removed_delay_fails_the_rule():
+    """Negative control: 2BW's programs replayed with a clock of no delay read versions the rule does not give."""
+    s = spec("2bw")
+    zero = PieceClock(0)
+    assert [zero.updates_read(b) for b in range(BATCHES)] != oracle_versions(s.delay, BATCHES)
+
+
+@pytest.mark.parametrize("delay", [0, 1, 2, 3])
+def test_piece_clock_slots_follow_the_ring(delay):
+    c = PieceClock(delay)
+    assert c.versions == delay + 1 and c.applies_at_once == (delay == 0)
+    for b in range(10):
+        assert c.write_slot(b) == c.read_slot(c.first_reader(b))  # the update's result is what its first reader reads
+        assert c.updates_read(c.first_reader(b)) == b + 1
+        due = c.due_before(c.first_reader(b))
+        assert due == b
+    assert oracle_versions(delay, 8) == [c.updates_read(b) for b in range(8)]
+
+
+def test_piece_clock_refuses_a_negative_delay():
+    with pytest.raises(ValueError, match="non-negative integer"):
+        PieceClock(-1)
