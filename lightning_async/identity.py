@@ -12,6 +12,12 @@ The *category* of a run is ``sync`` (modes ``sync``/``sync_pipe``), ``async`` (`
 without a correction in effect), ``async+EF`` (the ``ef`` correction) or ``async+<correction>`` for the other
 staleness corrections (``async+nesterov``, ...). A correction of strength 0 is off: such a run is ``async``.
 
+What a user reads (logs, folder names, compare's tables and report, docs) is one vocabulary: the *schedule*
+(a pipeline's ``2bw``, ``1f1b``, ``gpipe``, ..., or ``one device``) and the *mode*, ``sync`` or ``async``
+(the category, with the correction after ``+``). The recorded ``mode`` values (``sync_pipe``, ``async_pipe``,
+``delayed``) stay as they are in ``hparams.yaml``, so runs of every release read the same; :attr:`RunIdentity.schedule`
+is recorded since 0.2.0 (an older pipeline run's is read from its ``config.yaml``, else it shows as ``pipeline``).
+
 Framework-free on purpose (no torch, no Lightning). The correction names and default strengths are registered here
 once: ``lightning_async.optim.corrections`` takes its classes' defaults from them and refuses, at import, a class not
 registered here.
@@ -31,6 +37,9 @@ MODE_SYNC, MODE_DELAYED, MODE_SYNC_PIPE, MODE_ASYNC_PIPE = "sync", "delayed", "s
 SYNC_MODES = (MODE_SYNC, MODE_SYNC_PIPE)
 DELAYED_MODES = (MODE_DELAYED, MODE_ASYNC_PIPE)
 KNOWN_MODES = SYNC_MODES + DELAYED_MODES
+PIPELINE_MODES = (MODE_SYNC_PIPE, MODE_ASYNC_PIPE)
+#: the schedule a user reads for a run on one device (sync, or async simulated by ``DelaySimulation``)
+ONE_DEVICE = "one device"
 #: files in a run directory: fit finished (JSON identity and ``global_step``); a non-finite loss stopped it (JSON
 #: ``step``, ``metric``, ``value``)
 DONE_FILE, DIVERGED_FILE = "DONE", "DIVERGED"
@@ -44,7 +53,8 @@ UNIFORM_PROFILE = "uniform"
 
 #: the keys a run records, in the order it writes them
 IDENTITY_KEYS = (
-    "optimizer", "mode", "ef_strength", "correction", "correction_strength", "delay", "delay_profile", "seed", "lr",
+    "optimizer", "mode", "schedule", "ef_strength", "correction", "correction_strength", "delay", "delay_profile",
+    "seed", "lr",
 )
 REQUIRED_KEYS = ("optimizer", "mode")
 
@@ -93,12 +103,23 @@ def _label_part(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9.+-]+", "-", str(text)).strip("-").lower() or "x"
 
 
+def mode_word(mode: str) -> str:
+    """The word a user reads for a recorded ``mode``: ``sync`` (``sync``, ``sync_pipe``) or ``async`` (``delayed``,
+    ``async_pipe``)."""
+    if mode not in KNOWN_MODES:
+        raise IdentityError(f"unknown mode {mode!r}; expected one of {', '.join(KNOWN_MODES)}")
+    return SYNC if mode in SYNC_MODES else ASYNC
+
+
 def run_label(identity: RunIdentity, schedule: str | None = None) -> str:
-    """The folder name that says what a run is: its mode (the pipeline ``schedule``'s name for a pipeline run,
-    ``sync`` or ``delayed`` on one device, with a non-uniform delay profile after it), the correction in effect
-    and the optimizer: ``sync-adamw``, ``delayed-ef-adamw``, ``2bw-adamw``, ``1f1b-muon``, ``2bw-ef-adamw``."""
-    if identity.mode in (MODE_SYNC_PIPE, MODE_ASYNC_PIPE):
-        parts = [schedule or ("2bw" if identity.mode == MODE_ASYNC_PIPE else "1f1b")]
+    """The folder name that says what a run is. A pipeline run: its ``schedule``'s name, then its mode (``sync`` or
+    ``async``: the schedule's name alone does not say which), the correction in effect and the optimizer:
+    ``2bw-async-adamw``, ``2bw-async-ef-adamw``, ``1f1b-sync-muon``. A run on one device: the mode recipe it ran
+    (``sync``, or ``delayed``: async simulated on one device; a non-uniform delay profile after it), the correction
+    and the optimizer: ``sync-adamw``, ``delayed-ef-adamw``, ``delayed-pipedream-4-adamw``."""
+    if identity.mode in PIPELINE_MODES:
+        default = "2bw" if identity.mode == MODE_ASYNC_PIPE else "1f1b"
+        parts = [schedule or identity.schedule or default, mode_word(identity.mode)]
     else:
         parts = [identity.mode]
         if identity.mode == MODE_DELAYED and identity.delay_profile != UNIFORM_PROFILE:
@@ -148,6 +169,7 @@ class RunIdentity:
     delay_profile: str = UNIFORM_PROFILE
     seed: int | None = None
     lr: float | None = None
+    schedule: str | None = None  # a pipeline run's schedule (``2bw``, ``1f1b``, ...); None on one device
 
     def __post_init__(self) -> None:
         if self.mode not in KNOWN_MODES:
@@ -181,11 +203,26 @@ class RunIdentity:
         set_(self, "delay", int(delay))
         set_(self, "delay_profile", str(self.delay_profile or UNIFORM_PROFILE))
         set_(self, "optimizer", str(self.optimizer))
+        pipelined = self.mode in PIPELINE_MODES and self.schedule not in (None, "")
+        set_(self, "schedule", str(self.schedule).lower() if pipelined else None)
 
     @property
     def category(self) -> str:
         """``sync``, ``async``, ``async+EF`` or ``async+<correction>``."""
         return classify(self.mode, self.correction, self.correction_strength)
+
+    @property
+    def mode_word(self) -> str:
+        """``sync`` or ``async`` (see :func:`mode_word`; the category says which correction)."""
+        return mode_word(self.mode)
+
+    @property
+    def schedule_name(self) -> str:
+        """The schedule a user reads: the pipeline's (``2bw``, ``1f1b``, ...; ``pipeline`` for a run that did not
+        record it) or ``one device``."""
+        if self.mode in PIPELINE_MODES:
+            return self.schedule or "pipeline"
+        return ONE_DEVICE
 
     @property
     def corrected(self) -> bool:
@@ -213,6 +250,7 @@ class RunIdentity:
             delay_profile=str(values["delay_profile"]) if _present(values, "delay_profile") else UNIFORM_PROFILE,
             seed=_number(values.get("seed"), int, None),
             lr=_number(values.get("lr"), float, None),
+            schedule=str(values["schedule"]) if _present(values, "schedule") else None,
         )
 
     def as_record(self) -> dict[str, Any]:
@@ -223,6 +261,6 @@ class RunIdentity:
 
 __all__ = [
     "ASYNC", "ASYNC_EF", "CATEGORIES", "DEFAULT_STRENGTHS", "DELAYED_MODES", "EF", "IDENTITY_KEYS", "IdentityError",
-    "KNOWN_CORRECTIONS", "KNOWN_MODES", "MissingIdentity", "NO_CORRECTION", "REQUIRED_KEYS", "RunIdentity", "SYNC",
-    "SYNC_MODES", "UNIFORM_PROFILE", "classify", "correction_category", "correction_order", "run_label",
+    "KNOWN_CORRECTIONS", "KNOWN_MODES", "MissingIdentity", "NO_CORRECTION", "ONE_DEVICE", "PIPELINE_MODES", "REQUIRED_KEYS", "RunIdentity", "SYNC",
+    "SYNC_MODES", "UNIFORM_PROFILE", "classify", "correction_category", "correction_order", "mode_word", "run_label",
 ]

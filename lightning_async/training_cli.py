@@ -280,7 +280,7 @@ class AsyncCLI(LightningCLI):
         for progress in [cb for cb in self.trainer.callbacks if isinstance(cb, StepProgress)]:
             replace_default_bar(self.trainer, progress, self.user_callbacks)
         telemetry = [cb for cb in self.trainer.callbacks if isinstance(cb, RunTelemetry) and cb.label_log_dir]
-        if telemetry:  # runs/quickstart/2bw-adamw/version_0: TensorBoard's run list says what each run is
+        if telemetry:  # runs/quickstart/2bw-async-adamw/version_0: TensorBoard's run list says what each run is
             label_log_dirs(self.trainer, self.model)
 
 

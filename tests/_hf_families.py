@@ -1,7 +1,7 @@
 """Tiny random configs of the Hugging Face decoder families ``HFCausalLM`` claims (transformers 5.x), for the
 family sweep of ``tests/models/test_hf_families.py``: two decoder layers, hidden 32, vocabulary 257, no dropout or router noise (so a
-pipeline run and its single-device reference draw no random numbers), and one spawn running a 2-stage 2BW run of
-every family."""
+pipeline run and its single-device reference draw no random numbers), one spawn running a 2-stage 2BW run of
+every family, and its reference: the plain Hugging Face model trained through its own forward (:func:`sweep_reference`)."""
 
 from __future__ import annotations
 
@@ -174,15 +174,20 @@ def own_forward_workload(name: str):
     return Workload(partial(own_forward_model, name), make_batches, eval_batch, loss=own_forward_loss)
 
 
-def sweep_reference(name: str, delay: int = 1, clip: float | None = SWEEP_CLIP, units: bool = False) -> dict:
-    """The single-device rule the sweep's run of ``name`` must follow: the plain Hugging Face model (its own
-    forward) trained by ``DelayedOptimizer(AdamW, delay=1, pairing="2bw")`` on the sweep's micro-batches
-    (``delay=0``: plain training, a control). ``units=True``: our ``HFCausalLM`` units composed on one device
-    instead, for the test that they train as the model's own forward does."""
+def train_on_one_device(workload, delay: int = 1, clip: float | None = SWEEP_CLIP) -> dict:
+    """``workload`` trained on one device by the sweep's rule: ``DelayedOptimizer(AdamW, delay=1, pairing="2bw")``
+    on the sweep's batches and micro-batches, clipping at ``clip`` (``delay=0``: plain training, a control)."""
     from _pipeline_harness import reference_run
 
-    workload = sweep_workload(name) if units else own_forward_workload(name)
     return reference_run("adamw", delay, 0.0, SWEEP_STEPS, clip, microbatches=SWEEP_MICROBATCHES, workload=workload)
+
+
+def sweep_reference(name: str, delay: int = 1, clip: float | None = SWEEP_CLIP) -> dict:
+    """The single-device rule the sweep's run of ``name`` must follow: the plain Hugging Face model, through its own
+    forward (:func:`own_forward_model`), trained by :func:`train_on_one_device`."""
+    return train_on_one_device(own_forward_workload(name), delay, clip)
+
+
 ROUTED = dict(output_router_logits=True, router_aux_loss_coef=0.1)
 FAMILIES.update({  # families whose plan (or the common or GPT-2 layout) needs nothing more
     name: dict(SHAPE, head_dim=8, model_type=name)

@@ -142,11 +142,13 @@ def rank_runtime(units, schedule: str, m: int, split_batch: Callable, loss: Call
 def pipeline_run(
     stages: int, schedule: str, optimizer: str, ef: float, steps: int, clip: float | None, m: int, drain_at=(), prepost=None,
     workload: Workload = SMOLLM2, activation_checkpointing: bool = False, shard_optimizer: bool = False,
-    fsdp: bool = False,
+    fsdp: bool = False, transport: str = "auto",
 ):
     """Run inside a process of an initialised gloo group; returns this stage's weights by name, the losses,
     the number of receives the transport pre-posted (``prepost``: see ``StageTransport``), of the boundary
-    headers it sent, and the runtime's memory report at the end (``shard_optimizer``: ZeRO-1 over the replicas; ``fsdp``: FSDP2 inside each stage, the weights returned whole).
+    headers it sent, the runtime's memory report at the end (``shard_optimizer``: ZeRO-1 over the replicas; ``fsdp``: FSDP2 inside each stage, the weights returned whole),
+    and the number of groups the transport posted through ``batch_isend_irecv`` (``transport="nccl-rules"``: NCCL's
+    path on gloo, the only one that batches there).
 
     After the batches in ``drain_at`` the pipeline is evaluated under ``torch.inference_mode`` (as Lightning
     does on NCCL), which drains it; the update rule must not notice. The final evaluation uses a batch whose
@@ -164,6 +166,7 @@ def pipeline_run(
         plan, opt, w.split_batch, w.loss, gradient_clip_val=clip, correction=correction_of(ef),
         autocast=contextlib.nullcontext, context_fn=getattr(model, "pipeline_context", None),
         activation_checkpointing=activation_checkpointing, shard_optimizer=shard_optimizer, fsdp=fsdp,
+        transport=transport,
     )
     stage, runtime = plan.rank_stage, built.runtime
     mesh = built.groups.mesh
@@ -187,7 +190,8 @@ def pipeline_run(
     weights = {by_param[id(p)]: whole(p) for p in runtime.params}
     weights["eval_loss"] = runtime.eval_batch(w.eval_batch())
     losses = [None if x is None else float(x) for x in losses]
-    return weights, losses, runtime.transport.preposted, runtime.transport.headers_sent, runtime.memory_report()
+    t = runtime.transport
+    return weights, losses, t.preposted, t.headers_sent, runtime.memory_report(), t.groups_batched
 
 
 def spawn(world: int, fn, *args, timeout: float = 240.0, reporting: int | None = None) -> list:

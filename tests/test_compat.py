@@ -164,8 +164,8 @@ def test_the_loggers_read_their_name_lazily(tmp_path) -> None:
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
     for logger in (TensorBoardLogger(tmp_path, name="quick"), CSVLogger(tmp_path, name="quick")):
-        assert compat.add_to_logger_name(logger, "2bw-adamw")
-        assert compat.add_to_logger_name(logger, "2bw-adamw")  # once only
-        assert logger.log_dir == str(tmp_path / "quick" / "2bw-adamw" / "version_0")
+        assert compat.add_to_logger_name(logger, "2bw-async-adamw")
+        assert compat.add_to_logger_name(logger, "2bw-async-adamw")  # once only
+        assert logger.log_dir == str(tmp_path / "quick" / "2bw-async-adamw" / "version_0")
     named = TensorBoardLogger(tmp_path, name="runs", version="adamw-sync-s0")
     assert not compat.add_to_logger_name(named, "sync-adamw") and named.log_dir == str(tmp_path / "runs" / "adamw-sync-s0")

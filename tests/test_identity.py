@@ -22,6 +22,7 @@ from lightning_async.identity import (
     classify,
     correction_category,
     correction_order,
+    mode_word,
     run_label,
 )
 
@@ -32,6 +33,7 @@ IDENTITIES = [
     RunIdentity("soap", "async_pipe", correction="nesterov", correction_strength=0.9, delay_profile="pipedream-4"),
     RunIdentity("adan", "delayed", correction="dc-asgd", correction_strength=2.0, delay=3, delay_profile="[3, 2, 1]"),
     RunIdentity("lion", "sync_pipe", seed=None, lr=None),
+    RunIdentity("adamw", "sync_pipe", schedule="zbv", seed=0),
 ]
 
 
@@ -45,7 +47,7 @@ def test_record_round_trip(identity: RunIdentity) -> None:
 
 def test_record_of_an_ef_run_names_the_correction() -> None:
     record = RunIdentity("adamw", "delayed", ef_strength=1.0, seed=0, lr=1e-3).as_record()
-    assert record == {"optimizer": "adamw", "mode": "delayed", "ef_strength": 1.0, "correction": "ef",
+    assert record == {"optimizer": "adamw", "mode": "delayed", "schedule": None, "ef_strength": 1.0, "correction": "ef",
                       "correction_strength": 1.0, "delay": 1, "delay_profile": "uniform", "seed": 0, "lr": 1e-3}
     # naming the correction alone fills ef_strength in: both spellings are one identity
     named = RunIdentity("adamw", "delayed", correction="ef", correction_strength=1.0, seed=0, lr=1e-3)
@@ -148,11 +150,33 @@ def test_the_schema_imports_no_framework() -> None:
     ({"optimizer": "muon", "mode": "delayed", "ef_strength": 1.0}, None, "delayed-ef-muon"),
     ({"optimizer": "adamw", "mode": "delayed", "delay": 3, "delay_profile": "pipedream-4"}, None, "delayed-pipedream-4-adamw"),
     ({"optimizer": "adamw", "mode": "delayed", "delay": 2}, None, "delayed-d2-adamw"),
-    ({"optimizer": "adamw", "mode": "async_pipe"}, "2bw", "2bw-adamw"),
-    ({"optimizer": "adamw", "mode": "async_pipe", "correction": "ef"}, "2bw", "2bw-ef-adamw"),
-    ({"optimizer": "adamw", "mode": "async_pipe", "correction": "ef", "correction_strength": 0}, "2bw", "2bw-adamw"),
-    ({"optimizer": "adamw", "mode": "sync_pipe"}, "1f1b", "1f1b-adamw"),
-    ({"optimizer": "My Opt/x", "mode": "sync_pipe"}, "zbv", "zbv-my-opt-x"),
+    ({"optimizer": "adamw", "mode": "async_pipe"}, "2bw", "2bw-async-adamw"),
+    ({"optimizer": "adamw", "mode": "async_pipe", "correction": "ef"}, "2bw", "2bw-async-ef-adamw"),
+    ({"optimizer": "adamw", "mode": "async_pipe", "correction": "ef", "correction_strength": 0}, "2bw", "2bw-async-adamw"),
+    ({"optimizer": "adamw", "mode": "sync_pipe"}, "1f1b", "1f1b-sync-adamw"),
+    ({"optimizer": "My Opt/x", "mode": "sync_pipe"}, "zbv", "zbv-sync-my-opt-x"),
+    # the recorded schedule names the folder when the caller does not; an old record without it: the default
+    ({"optimizer": "adamw", "mode": "sync_pipe", "schedule": "GPipe"}, None, "gpipe-sync-adamw"),
+    ({"optimizer": "adamw", "mode": "sync_pipe"}, None, "1f1b-sync-adamw"),
 ])
 def test_run_label_names_mode_schedule_correction_and_optimizer(record, schedule, label) -> None:
     assert run_label(RunIdentity.from_mapping(record), schedule) == label
+
+
+@pytest.mark.parametrize("record, schedule_name, mode", [
+    ({"optimizer": "adamw", "mode": "sync"}, "one device", "sync"),
+    ({"optimizer": "adamw", "mode": "delayed"}, "one device", "async"),
+    ({"optimizer": "adamw", "mode": "delayed", "schedule": "2bw"}, "one device", "async"),  # no pipeline, no schedule
+    ({"optimizer": "adamw", "mode": "sync_pipe", "schedule": "1f1b"}, "1f1b", "sync"),
+    ({"optimizer": "adamw", "mode": "async_pipe", "schedule": "2bw"}, "2bw", "async"),
+    ({"optimizer": "adamw", "mode": "async_pipe"}, "pipeline", "async"),  # written by 0.1: no schedule recorded
+])
+def test_the_words_a_user_reads_for_schedule_and_mode(record, schedule_name, mode) -> None:
+    """One vocabulary: the schedule (the pipeline's, or one device) and the mode, sync or async, whatever the
+    recorded ``mode`` value (``sync_pipe``, ``async_pipe``, ``delayed`` stay readable as 0.1 wrote them)."""
+    identity = RunIdentity.from_mapping(record)
+    assert (identity.schedule_name, identity.mode_word) == (schedule_name, mode)
+    assert identity.mode == record["mode"] and mode_word(record["mode"]) == mode
+    assert identity.as_record()["schedule"] == (None if schedule_name in ("one device", "pipeline") else schedule_name)
+    with pytest.raises(IdentityError, match="unknown mode"):
+        mode_word("sync-pipe")

@@ -1,6 +1,6 @@
 """``RunTelemetry``: the run's identity as hyperparameters, per-group learning rates, gradient norm,
 throughput, and a ``DONE`` marker when fit finishes (what ``compare`` and ``study`` read); and
-:func:`label_log_dirs`, which puts the run's label (``2bw-adamw``, ``sync-adamw``) into its log folder."""
+:func:`label_log_dirs`, which puts the run's label (``2bw-async-adamw``, ``sync-adamw``) into its log folder."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ from lightning_async.optim.corrections import as_correction
 
 
 def run_identity(trainer: Trainer, pl_module: LightningModule) -> dict:
-    """This run's :class:`~lightning_async.identity.RunIdentity` record (``optimizer``, ``mode``, ``ef_strength``,
-    ``correction``, ``correction_strength``, ``delay``, ``delay_profile``, ``seed``, ``lr``), from the settings in
+    """This run's :class:`~lightning_async.identity.RunIdentity` record (``optimizer``, ``mode``, ``schedule``,
+    ``ef_strength``, ``correction``, ``correction_strength``, ``delay``, ``delay_profile``, ``seed``, ``lr``), from the settings in
     effect: the delay source (``DelaySimulation``, or the pipeline's schedule) and the correction its updates apply
     (read from the runtime or the simulation's optimizer wrappers, however it was set)."""
     hparams = dict(getattr(pl_module, "hparams", {}) or {})
@@ -42,6 +42,7 @@ def run_identity(trainer: Trainer, pl_module: LightningModule) -> dict:
     return RunIdentity.from_mapping({  # raw values (a module's lr may be anything): read as compare reads them
         "optimizer": hparams.get("optimizer") or "custom",
         "mode": mode,
+        "schedule": schedule.name if schedule is not None else None,
         "correction": correction.method if correction is not None else NO_CORRECTION,
         "correction_strength": correction.strength if correction is not None else 0.0,
         "delay": delay,
@@ -71,7 +72,7 @@ def configured_corrections(trainer: Trainer) -> list:
 def label_log_dirs(trainer: Trainer, pl_module: LightningModule) -> str:
     """Put this run's label (:func:`~lightning_async.identity.run_label`) under the name of each logger whose
     version Lightning numbers itself, before anything asks for the log folder:
-    ``runs/quickstart/version_0`` becomes ``runs/quickstart/2bw-adamw/version_0``. A logger given an explicit
+    ``runs/quickstart/version_0`` becomes ``runs/quickstart/2bw-async-adamw/version_0``. A logger given an explicit
     version (``study`` names its runs) keeps its folder. Returns the label."""
     identity = RunIdentity.from_mapping(run_identity(trainer, pl_module))
     schedule = pipeline_schedule(trainer)

@@ -70,7 +70,7 @@ class Run:
 
     @property
     def name(self) -> str:
-        """The run's folder name; with its parent for Lightning's numbered ones (``2bw-adamw/version_0``)."""
+        """The run's folder name; with its parent for Lightning's numbered ones (``2bw-async-adamw/version_0``)."""
         if re.fullmatch(r"version_\d+", self.path.name) and self.path.parent.name:
             return f"{self.path.parent.name}/{self.path.name}"
         return self.path.name

@@ -216,7 +216,7 @@ def run_list_cells(runs: list[Run]) -> list[list[str]]:
         ident = run.identity
         loss = run.final_val_loss
         cells.append([
-            run.name, ident.optimizer, ident.mode, run.category, format_setting(ident.lr), str(ident.delay),
+            run.name, ident.optimizer, ident.schedule_name, run.category, format_setting(ident.lr), str(ident.delay),
             ident.delay_profile, _correction_cell(run), "-" if ident.seed is None else str(ident.seed),
             "-" if run.last_step is None else str(optimizer_step(run.last_step)),
             "no val/loss" if loss is None else f"{loss:.4f}", run.status, str(run.path),
@@ -224,7 +224,9 @@ def run_list_cells(runs: list[Run]) -> list[list[str]]:
     return cells
 
 
-RUN_HEADERS = ("run", "optimizer", "mode", "class", "lr", "delay", "delay profile", "correction", "seed",
+#: the run list: ``schedule`` (the pipeline's, or ``one device``) and ``mode`` (``sync``, ``async``, ``async+EF``, ...) as
+#: the run's folder name and the logs say them, not the recorded ``mode`` value (``sync_pipe``, ``delayed``, ...)
+RUN_HEADERS = ("run", "optimizer", "schedule", "mode", "lr", "delay", "delay profile", "correction", "seed",
                "last step", "last val/loss", "status", "path")
 
 

@@ -51,7 +51,7 @@ def describe_slot(run: Run) -> str:
 
 
 def _listing(runs: list[Run]) -> str:
-    return ", ".join(f"{r.path} (mode {r.identity.mode}, {r.status})" for r in runs)
+    return ", ".join(f"{r.path} ({r.identity.schedule_name}, {r.category}, {r.status})" for r in runs)
 
 
 def select_runs(runs: list[Run], warn=None) -> list[Run]:

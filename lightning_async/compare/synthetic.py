@@ -30,6 +30,7 @@ def write_fake_run(
     *,
     optimizer: str = "adamw",
     mode: str = "sync",
+    schedule: str | None = None,
     ef_strength: float = 0.0,
     correction: str | None = None,
     correction_strength: float | None = None,
@@ -56,7 +57,7 @@ def write_fake_run(
     path.mkdir(parents=True, exist_ok=True)
     identity = RunIdentity(optimizer=optimizer, mode=mode, ef_strength=ef_strength, correction=correction,
                            correction_strength=correction_strength, delay=delay, delay_profile=delay_profile,
-                           seed=seed, lr=lr)
+                           seed=seed, lr=lr, schedule=schedule)
     val = sorted(dict(val_loss).items()) if val_loss is not None else [(10, 3.0), (20, 2.5)]
     train = sorted(dict(train_loss).items()) if train_loss is not None else [(s, v + 0.05) for s, v in val]
     writer = EventFileWriter(str(path))

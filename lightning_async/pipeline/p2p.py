@@ -31,6 +31,15 @@ their own. At most one receive is outstanding and it is consumed by the very nex
 from a neighbour are still posted in the order it sends. NCCL keeps the fused, matching-order groups
 above: an unmatched receive posted early on both sides of a pair could block each other's stream.
 
+NCCL's rules on gloo (``transport="nccl-rules"``): the transport takes the path it takes on NCCL while the
+messages travel over gloo: tag 0 on every message (so two ranks' messages match in posting order, as NCCL matches
+them), every group posted through ``batch_isend_irecv``, the headers through unbatched ``isend``/``irecv`` with tag
+0, and no pre-posted receives. A schedule whose two ends of a pair post in different orders then trains wrong or
+hangs on the CPU as it would on GPUs, and is refused before any group is made (as on NCCL:
+``run_checks.check_message_order``). What it cannot show: NCCL's streams (an unbatched NCCL receive blocks the ops
+queued after it on its stream, a gloo one does not) and its communicators (one per pair and per group kind, created
+lazily): ``docs/pipeline.md``, "NCCL's rules on gloo".
+
 Boundary values (:mod:`~lightning_async.pipeline.boundary`): an activation is a tensor or a small pytree
 of tensors; every leaf is its own message of the same group. The first activation sent after a
 (re)start is preceded by a header (:class:`BoundarySpec`: structure, dtypes, shapes, which leaves
@@ -48,6 +57,22 @@ import torch
 import torch.distributed as dist
 
 from lightning_async.pipeline.boundary import flatten, unflatten
+
+
+#: the transport modes: ``"auto"`` (the backend's own rules: tags and pre-posted receives on gloo, NCCL's path on
+#: NCCL) and ``"nccl-rules"`` (NCCL's path on any backend: tag 0, ``batch_isend_irecv`` groups, no pre-posting)
+TRANSPORTS = ("auto", "nccl-rules")
+
+
+def check_transport(transport: str) -> str:
+    """``transport`` if it names a mode of :data:`TRANSPORTS`, else a ``ValueError`` naming them."""
+    if transport not in TRANSPORTS:
+        raise ValueError(
+            f"transport must be one of {', '.join(repr(t) for t in TRANSPORTS)}, got {transport!r}: 'auto' follows the "
+            "process group's backend, 'nccl-rules' keeps NCCL's matching rules on gloo (tag 0, batched groups, no "
+            "pre-posted receives) to find on CPUs what would hang or mismatch on GPUs."
+        )
+    return transport
 
 
 class PeerFailure(RuntimeError):
@@ -96,21 +121,26 @@ class StageTransport:
     between two pieces of the same rank never reach the transport. On gloo every channel has its own tag, so a
     schedule may interleave channels between two ranks in any order (ZB-V does); NCCL ignores tags and matches
     messages between two ranks in posting order (``program.message_order_mismatches`` says which schedules keep
-    that order). ``name`` describes this rank in error messages.
+    that order). ``name`` describes this rank in error messages. ``transport``: ``"auto"`` (the backend's rules)
+    or ``"nccl-rules"`` (NCCL's path on gloo too: tag 0, ``batch_isend_irecv`` groups, no pre-posting).
     """
 
     def __init__(
         self, group, device: torch.device, rank_of_piece, stage_of_rank, prepost: bool | None = None,
-        name: str = "this pipeline stage",
+        name: str = "this pipeline stage", transport: str = "auto",
     ) -> None:
         self.group, self.device = group, device
         self.rank_of_piece, self.stage_of_rank, self.name = rank_of_piece, stage_of_rank, name
         self._peers: dict[int, int] = {}  # piece -> its rank (``rank_of_piece``, asked once per piece)
-        #: post the next action's receive before the current action (default: on gloo only)
-        self._gloo = dist.is_initialized() and dist.get_backend(group) == "gloo"
+        self.transport = check_transport(transport)
+        #: gloo's rules (tags per channel, one post per message, pre-posting allowed); False: NCCL's path, on NCCL
+        #: or under ``transport="nccl-rules"``
+        self._gloo = dist.is_initialized() and dist.get_backend(group) == "gloo" and transport != "nccl-rules"
+        #: post the next action's receive before the current action (default: under gloo's rules only)
         self.prepost_enabled = self._gloo if prepost is None else prepost
         self.preposted = 0  # receives posted ahead so far (for tests and benchmarks)
         self.headers_sent = 0  # boundary specs announced so far (for tests)
+        self.groups_batched = 0  # groups posted through ``batch_isend_irecv`` so far (NCCL's path; for tests)
         self.act_spec: dict[int, BoundarySpec] = {}  # piece -> what it receives from the piece before
         self.sent_spec: dict[int, BoundarySpec] = {}  # piece -> what it sends to the piece after (its gradients come back)
         self._pending_sends: list[tuple[list, list[torch.Tensor], int, int]] = []  # (works, buffers kept alive, peer, call)
@@ -127,12 +157,13 @@ class StageTransport:
         if value and not self._gloo:
             raise ValueError(
                 "Pre-posted receives need the gloo backend: on NCCL a lone receive uses another communicator than "
-                "the batched send it waits for, and would never be matched. Leave it off (the default there)."
+                "the batched send it waits for, and would never be matched. Leave it off (the default there"
+                + (", and under transport='nccl-rules', which keeps NCCL's rules on gloo)." if self.transport != "auto" else ").")
             )
         self._prepost = bool(value)
 
     def _tag(self, piece: int, kind: str) -> int:
-        """The channel's tag on gloo (0 on NCCL, which ignores tags)."""
+        """The channel's tag under gloo's rules (0 on NCCL, which ignores tags, and under ``"nccl-rules"``)."""
         return 2 * piece + (kind == "grad") if self._gloo else 0
 
     def flush(self) -> None:
@@ -260,10 +291,10 @@ class StageTransport:
             target = piece + 1 if kind == "act" else piece - 1
             send_peer, tag = self._peer(target), self._tag(target, kind)
             sent = self._activation_tensors(value, piece, send_peer) if kind == "act" else [g.contiguous() for g in value]
-            ops += [dist.P2POp(dist.isend, x, send_peer, group=self.group, tag=tag) for x in sent]
+            ops += [self._op(dist.isend, x, send_peer, tag) for x in sent]
         if recv is not None:
             out, recv_peer, tag = self._recv_buffers(*recv)
-            ops += [dist.P2POp(dist.irecv, x, recv_peer, group=self.group, tag=tag) for x in out]
+            ops += [self._op(dist.irecv, x, recv_peer, tag) for x in out]
             self._inbox = (recv[0], recv[1], None, out, recv_peer)
         if not ops:
             return
@@ -283,8 +314,16 @@ class StageTransport:
         posts a group's operations one by one anyway, each on its own (its coalescing manager costs 15-30 us per
         call on a CPU, on the hop's critical path: ``benchmarks/pipeline_throughput.py``)."""
         if not self._gloo:
+            self.groups_batched += 1
             return dist.batch_isend_irecv(ops)
-        return [op.op(op.tensor, op.peer, group=self.group, tag=op.tag) for op in ops]
+        return [post(tensor, peer, group=self.group, tag=tag) for post, tensor, peer, tag in ops]
+
+    def _op(self, post, tensor: torch.Tensor, peer: int, tag: int):
+        """One operation of a group: a ``P2POp`` for ``batch_isend_irecv`` (NCCL); on gloo, which posts each on its
+        own, the plain ``(post, tensor, peer, tag)`` (a ``P2POp`` resolves its group again on every message)."""
+        if self._gloo:
+            return post, tensor, peer, tag
+        return dist.P2POp(post, tensor, peer, group=self.group, tag=tag)
 
     def _shape_known(self, kind: str, piece: int) -> bool:
         return (self.act_spec if kind == "act" else self.sent_spec).get(piece) is not None

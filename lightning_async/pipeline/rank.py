@@ -22,6 +22,7 @@ from lightning_async.pipeline.fsdp import check_fsdp_applicable, check_optimizer
 from lightning_async.pipeline.groups import make_pipeline_groups, synchronize_initial_weights
 from lightning_async.pipeline.mesh import PipelineGroups, PipelineMesh
 from lightning_async.pipeline.partition import partition_units
+from lightning_async.pipeline.run_checks import check_message_order
 from lightning_async.pipeline.runtime import PipelineRuntime
 from lightning_async.pipeline.stage import RankStage, build_rank_stage, prune_to_stage
 
@@ -121,12 +122,15 @@ def build(
     Every rank must call it, in the same order (it makes the process groups and synchronises the initial weights:
     tied copies equal stage 0's, replicas equal replica 0's). ``optimizer`` holds the rank's parameters
     (``plan.named_parameters``) and nothing else. ``runtime_options`` go to :class:`PipelineRuntime` (clipping,
-    correction, autocast, device, context, activation checkpointing, sharded optimizer). ``fsdp``: shard each
-    unit's weights over the stage's replicas with FSDP2 (:mod:`~lightning_async.pipeline.fsdp`); the optimizer's
-    parameters are rebound to the sharded ones, and so are ``plan.named_parameters``.
+    correction, autocast, device, context, activation checkpointing, sharded optimizer, the transport's mode;
+    under ``transport="nccl-rules"`` a schedule whose messages NCCL could not match is refused here, before any
+    group). ``fsdp``: shard each unit's weights over the stage's replicas with FSDP2
+    (:mod:`~lightning_async.pipeline.fsdp`); the optimizer's parameters are rebound to the sharded ones, and so are
+    ``plan.named_parameters``.
     """
     _check_optimizer_holds_the_rank(optimizer, plan)
     mesh = plan.mesh
+    check_message_order(plan.spec, mesh.pipeline_parallel_size, plan.n_microbatches, runtime_options.get("transport", "auto"))
     if fsdp:
         check_fsdp_applicable(plan.spec, mesh.data_parallel_size, runtime_options.get("shard_optimizer", False),
                               runtime_options.get("activation_checkpointing", False))

@@ -84,6 +84,8 @@ class PipelineRuntime:
         hooks: :class:`~lightning_async.pipeline.hooks.StepHooks` run around the rank's backwards and updates (the
             strategy's run Lightning's ``on_before_backward``, ``on_after_backward``, ``on_before_optimizer_step``
             and ``on_before_zero_grad``).
+        transport: the transport's mode (:class:`~lightning_async.pipeline.p2p.StageTransport`): ``"auto"`` or
+            ``"nccl-rules"`` (NCCL's matching rules on gloo).
     """
 
     def __init__(
@@ -106,6 +108,7 @@ class PipelineRuntime:
         shard_optimizer: bool = False,
         fsdp: bool = False,
         hooks: StepHooks | None = None,
+        transport: str = "auto",
     ) -> None:
         self.groups = g = groups or PipelineGroups()
         self.spec = schedules.spec(schedule)
@@ -148,7 +151,7 @@ class PipelineRuntime:
         last_unit = self.chunks[-1].unit_names[-1] if getattr(self.chunks[-1], "unit_names", None) else None
         self.transport = StageTransport(
             g.p2p, self.device, lambda piece: g.mesh.rank_of(self.spec.holder(piece, stages)[0], g.replica), g.stage_of_rank,
-            name=f"pipeline stage {g.stage}" + (f" (last unit {last_unit!r})" if last_unit else ""),
+            name=f"pipeline stage {g.stage}" + (f" (last unit {last_unit!r})" if last_unit else ""), transport=transport,
         )
         self.versions = WeightVersions(self.params, self.rank_clock, fsdp)
         self.shards = self._make_shards() if shard_optimizer else None
@@ -370,7 +373,7 @@ class PipelineRuntime:
         self.transport.begin_call()  # frees the sends of two calls ago (gloo never frees them by itself)
         self._batch_data[b] = self._microbatches(inputs, targets)
         self.updates.record_hyperparameters(b)
-        actions = self.spec.call_actions(self.groups.stage, self.groups.num_stages, self.n_microbatches, b, self.fresh)
+        actions = self.spec.checked_call_actions(self.groups.stage, self.groups.num_stages, self.n_microbatches, b, self.fresh)
         due = self.rank_clock.due_before(b)
         program = self._programs.get(actions, b, start=self.updates.held_back(), apply_first=() if due is None else (due,))
         self._run(program, base=b)

@@ -284,6 +284,11 @@ class ScheduleSpec:
             raise ValueError(f"batch must be >= 0, got {batch}.")
         if self.delayed and batch == 0 and not fresh:
             raise ValueError("batch 0 always starts with an empty pipeline: use fresh=True.")
+        return self.checked_call_actions(stage, num_stages, n_microbatches, batch, fresh)
+
+    def checked_call_actions(self, stage: int, num_stages: int, n_microbatches: int, batch: int, fresh: bool) -> list[Action]:
+        """:meth:`call_actions` for settings already validated (the runtime's, checked once when it was built: this
+        runs every training call)."""
         m = n_microbatches
         if not self.delayed:
             actions = self.per_batch(stage, num_stages, m, self.chunks, batch * m)

@@ -28,16 +28,17 @@ from typing_extensions import override
 
 from lightning_async.callbacks.delay import check_corrections, pipeline_correction_setting
 from lightning_async.callbacks.divergence import ensure_divergence_guard
-from lightning_async.optim.corrections import Correction, as_correction, check_applicable
+from lightning_async.optim.corrections import Correction, as_correction
 from lightning_async.pipeline import schedules
 from lightning_async.pipeline.contract import check_pipeline_contract
 from lightning_async.pipeline.fsdp import whole
 from lightning_async.pipeline.groups import release_process_groups
 from lightning_async.pipeline.mesh import PipelineMesh
+from lightning_async.pipeline.p2p import check_transport
 from lightning_async.pipeline.metrics import LossExtras
 from lightning_async.pipeline.predict import predict_batch
-from lightning_async.pipeline.rank import RankPlan, build, plan_rank
-from lightning_async.pipeline.run_checks import RunSettings, check_run
+from lightning_async.pipeline.rank import RankPlan, build
+from lightning_async.pipeline.config import PipelineConfig
 from lightning_async.pipeline.runtime import PipelineRuntime
 from lightning_async import compat
 from lightning_async.strategies.checkpoints import PipelineCheckpoints
@@ -48,17 +49,6 @@ from lightning_async.strategies.sigterm import SigtermStop
 from lightning_async.strategies.step_hooks import LightningStepHooks
 from lightning_async.strategies.summary import log_parameter_counts
 from lightning_async.strategies.split import decide_stage_units, record_split, recorded_split
-
-
-def _checked_timeout(timeout: timedelta | float | None) -> timedelta | None:
-    """``timeout`` as a ``timedelta``; a clear error for a value that is not a positive duration."""
-    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
-    if timeout is not None and (not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds <= 0):
-        raise ValueError(
-            f"timeout must be a positive number of seconds (how long a stage waits for another before it gives up), "
-            f"got {seconds!r}."
-        )
-    return None if timeout is None else timedelta(seconds=seconds)
 
 
 class AsyncPipelineStrategy(DDPStrategy):
@@ -95,6 +85,8 @@ class AsyncPipelineStrategy(DDPStrategy):
         start_method: ``"popen"`` (re-run the script: CLI, torchrun, SLURM) or ``"spawn"`` (notebooks, tests).
         timeout: seconds any wait on another rank may last (every send, receive and collective of the pipeline's
             groups) before it raises ``PeerFailure`` naming the silent stage.
+        transport: ``"auto"`` (the backend's rules) or ``"nccl-rules"``: NCCL's matching rules on gloo (tag 0, batched
+            groups, no pre-posted receives), to find on CPUs what would hang or mismatch on GPUs (``docs/pipeline.md``).
 
     Fitting adds ``DivergenceGuard(stop=True)`` unless the trainer has a ``DivergenceGuard`` already: a non-finite
     loss stops every rank at the same step (pass ``DivergenceGuard(stop=False)`` to keep training).
@@ -118,27 +110,21 @@ class AsyncPipelineStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | int | None = 300,
         start_method: str = "popen",
+        transport: str = "auto",
         **kwargs: Any,
     ) -> None:
         if "error_feedback" in kwargs:
             raise ValueError("AsyncPipelineStrategy(error_feedback=S) was removed in 0.2.0: pass "
                              "correction={'method': 'ef', 'strength': S} (CHANGELOG.md, 'Migrating from 0.1').")
-        self.schedule_spec = schedules.spec(schedule, virtual_stages)
-        timeout = _checked_timeout(timeout)
-        super().__init__(process_group_backend=process_group_backend, timeout=timeout, start_method=start_method, **kwargs)
-        check_applicable(as_correction(correction), schedule=self.schedule_spec)  # a bad name or schedule: now
-        self.correction = correction
-        self.schedule = self.schedule_spec.name
-        self._n_microbatches = n_microbatches
-        self._pp_size, self._dp_size = pipeline_parallel_size, data_parallel_size
-        self.partition = partition
-        self.activation_checkpointing = bool(activation_checkpointing)
-        self.shard_optimizer = bool(shard_optimizer)
-        self.fsdp = bool(fsdp)
-        if checkpoint_format not in ("stages", "dcp"):
-            raise ValueError(f"checkpoint_format must be 'stages' (a file per stage) or 'dcp' "
-                             f"(torch.distributed.checkpoint, moves between layouts), got {checkpoint_format!r}.")
-        self.checkpoint_format = checkpoint_format
+        #: every pipeline setting, validated once (:class:`~lightning_async.pipeline.config.PipelineConfig`)
+        self.config = PipelineConfig.of(
+            schedule, virtual_stages, timeout=timeout, n_microbatches=n_microbatches,
+            pipeline_parallel_size=pipeline_parallel_size, data_parallel_size=data_parallel_size, partition=partition,
+            correction=correction, activation_checkpointing=activation_checkpointing, shard_optimizer=shard_optimizer,
+            fsdp=fsdp, checkpoint_format=checkpoint_format,
+        )
+        super().__init__(process_group_backend=process_group_backend, timeout=self.config.timeout,
+                         start_method=start_method, **kwargs)
         self.runtime: PipelineRuntime | None = None
         #: the batch whose backward or update the Lightning hook now running belongs to (``None`` outside them;
         #: under 2BW it may be the step before the current one: :mod:`~lightning_async.strategies.step_hooks`)
@@ -147,6 +133,41 @@ class AsyncPipelineStrategy(DDPStrategy):
         self.stage_units: list[list[str]] = []
         self.checkpoints = PipelineCheckpoints(self)
         self.sigterm = SigtermStop(self.describe_rank)  # (a bound method: the strategy is pickled under spawn)
+        self.transport = check_transport(transport)
+
+    # ---- settings (read from the config) ---------------------------------------------------------
+    @property
+    def schedule_spec(self) -> schedules.ScheduleSpec:
+        return self.config.schedule
+
+    @property
+    def schedule(self) -> str:
+        return self.config.schedule.name
+
+    @property
+    def correction(self):
+        """The ``correction=`` setting (a name, a dict or a Correction; built per rank by :meth:`make_correction`)."""
+        return self.config.correction
+
+    @property
+    def partition(self):
+        return self.config.partition
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        return self.config.activation_checkpointing
+
+    @property
+    def shard_optimizer(self) -> bool:
+        return self.config.shard_optimizer
+
+    @property
+    def fsdp(self) -> bool:
+        return self.config.fsdp
+
+    @property
+    def checkpoint_format(self) -> str:
+        return self.config.checkpoint_format
 
     # ---- mesh ---------------------------------------------------------------------------------
     @property
@@ -156,7 +177,7 @@ class AsyncPipelineStrategy(DDPStrategy):
     @property
     def mesh(self) -> PipelineMesh:
         """The pipeline x data-parallel mesh of this run's processes (a clear error if the sizes do not fit)."""
-        return PipelineMesh.from_world(self.world, self._pp_size, self._dp_size)
+        return self.config.mesh(self.world)
 
     @property
     def pipeline_parallel_size(self) -> int:
@@ -168,7 +189,7 @@ class AsyncPipelineStrategy(DDPStrategy):
 
     @property
     def n_microbatches(self) -> int:
-        return self._n_microbatches or 2 * self.pipeline_parallel_size
+        return self.config.microbatches(self.pipeline_parallel_size)
 
     @property
     def stage(self) -> int:
@@ -200,11 +221,8 @@ class AsyncPipelineStrategy(DDPStrategy):
     def validate_mesh(self) -> None:
         """Every check of the run's settings that needs no communication (:func:`~lightning_async.pipeline.run_checks.check_run`);
         raised identically on every rank."""
-        check_run(RunSettings(
-            self.mesh, self.schedule_spec, self.n_microbatches, backend=self._process_group_backend,
-            device_type=self.root_device.type, shard_optimizer=self.shard_optimizer, fsdp=self.fsdp,
-            activation_checkpointing=self.activation_checkpointing, partition=self.partition,
-        ), self.lightning_module)
+        self.config.check(self.world, backend=self._process_group_backend, device_type=self.root_device.type,
+                          module=self.lightning_module)
 
     def validate_launch(self, trainer) -> None:
         """What the launching process does before other ranks start: check the mesh and the run's corrections,
@@ -270,19 +288,16 @@ class AsyncPipelineStrategy(DDPStrategy):
         pieces = self.schedule_spec.virtual_stages(self.pipeline_parallel_size)
         self.stage_units = decide_stage_units(module, units, pieces, self.partition, self.broadcast)
         rank_zero_info(
-            f"async_pipe: schedule={self.schedule}, stages={self.pipeline_parallel_size}, replicas={self.data_parallel_size}, "
+            f"pipeline: schedule={self.schedule}, mode={'async' if self.schedule_spec.delayed else 'sync'}, "
+            f"stages={self.pipeline_parallel_size}, replicas={self.data_parallel_size}, "
             f"micro-batches={self.n_microbatches}, chunks per stage={self.schedule_spec.chunks}; units: {self.stage_units}"
         )
         log_parameter_counts(self, module, units)
         self.loss_extras = LossExtras(module.pipeline_loss)
-        plan = plan_rank(
-            units, self.schedule_spec, self.n_microbatches, rank=self.global_rank, world_size=self.world,
-            pipeline_parallel_size=self.pipeline_parallel_size, stage_units=self.stage_units,
-            tied=None if before is None else before.tied,
-        )
+        plan = self.config.plan_rank(units, self.global_rank, self.world, stage_units=self.stage_units,
+                                     tied=None if before is None else before.tied)
         optimizer = self._prepare_rank(trainer, module, units, plan, first_setup=before is None)
-        built = build(plan, optimizer, module.pipeline_split_batch, self.loss_extras, timeout=self._timeout,
-                      fsdp=self.fsdp, **self._runtime_options(trainer, module))
+        built = build(plan, optimizer, module.pipeline_split_batch, self.loss_extras, **self._runtime_options(trainer, module))
         self.runtime = built.runtime
         self.loss_extras.attach(self.runtime)
 
@@ -322,13 +337,12 @@ class AsyncPipelineStrategy(DDPStrategy):
             self.cluster_environment.auto_requeue = False
 
     def _runtime_options(self, trainer, module) -> dict:
-        clip = trainer.gradient_clip_val if trainer.state.fn == TrainerFn.FITTING else None
+        fitting = trainer.state.fn == TrainerFn.FITTING
         return dict(
-            gradient_clip_val=clip, correction=self.make_correction(trainer), autocast=self.precision_plugin.forward_context,
-            device=self.root_device, context_fn=getattr(module, "pipeline_context", None),
-            activation_checkpointing=self.activation_checkpointing,
-            shard_optimizer=self.shard_optimizer and trainer.state.fn == TrainerFn.FITTING,
-            hooks=LightningStepHooks(self) if trainer.state.fn == TrainerFn.FITTING else None,
+            gradient_clip_val=trainer.gradient_clip_val if fitting else None, correction=self.make_correction(trainer),
+            autocast=self.precision_plugin.forward_context, device=self.root_device,
+            context_fn=getattr(module, "pipeline_context", None), hooks=LightningStepHooks(self) if fitting else None,
+            **self.config.runtime_options(training=fitting), transport=self.transport,
         )
 
     def make_correction(self, trainer=None) -> Correction | None:

@@ -26,6 +26,6 @@ def log_memory_reports(reports: list[dict], logger) -> None:
         if r["replica"] != 0:
             continue
         sizes = {k: v / 2**20 for k, v in r.items() if k not in ("stage", "replica", "in_flight_microbatches")}
-        rank_zero_info(f"async_pipe memory, stage {r['stage']}: " + ", ".join(f"{k} {v:.1f} MiB" for k, v in sizes.items()))
+        rank_zero_info(f"pipeline memory, stage {r['stage']}: " + ", ".join(f"{k} {v:.1f} MiB" for k, v in sizes.items()))
         if logger is not None:
             logger.log_metrics({f"train/memory/stage{r['stage']}/{k}_mib": v for k, v in sizes.items()})

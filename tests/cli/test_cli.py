@@ -71,7 +71,7 @@ def test_quickstart_fit_writes_tensorboard_and_lowers_the_loss(tmp_path):
     assert list(run_dir.glob("events.out.tfevents.*")) and (run_dir / "config.yaml").exists() and (run_dir / "DONE").exists()
     train = read_scalars(run_dir, "train/loss")
     assert train[-1] < train[0] - 1.0, train
-    assert len(read_scalars(run_dir, "val/loss")) == 2
+    assert len(read_scalars(run_dir, "val/loss")) == 3  # the untrained model (step 0, the sanity check), steps 20 and 40
     identity = yaml.safe_load((run_dir / "hparams.yaml").read_text())
     assert (identity["optimizer"], identity["mode"], identity["delay"], identity["ef_strength"]) == ("adamw", "sync", 0, 0.0)
 
@@ -126,10 +126,13 @@ def test_real_pipeline_from_the_cli(tmp_path):
     proc = subprocess.run([sys.executable, str(script), *args], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, PYTHONWARNINGS="ignore"))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    run_dir = tmp_path / "runs" / "quickstart" / "2bw-adamw" / "version_0"
+    run_dir = tmp_path / "runs" / "quickstart" / "2bw-async-adamw" / "version_0"  # schedule, mode, optimizer
     identity = yaml.safe_load((run_dir / "hparams.yaml").read_text())
-    assert identity["mode"] == "async_pipe"
-    assert len(read_scalars(run_dir, "val/loss")) == 1
+    assert (identity["mode"], identity["schedule"]) == ("async_pipe", "2bw")
+    printed = proc.stdout + proc.stderr  # the logs say what the folder says: schedule and mode, not "async_pipe"
+    assert "pipeline: schedule=2bw, mode=async, stages=2" in printed and "pipeline memory, stage 1:" in printed
+    assert "async_pipe" not in printed
+    assert len(read_scalars(run_dir, "val/loss")) == 2  # the untrained model (the sanity check, step 0) and the end
     assert "terminate called" not in proc.stderr
     for rank in (0, 1):
         assert f"rank {rank}: process group alive at exit: False" in proc.stdout, proc.stdout[-2000:]

@@ -352,7 +352,7 @@ def test_two_finished_duplicates_are_refused(tmp_path, capsys):
     write_fake_run(tmp_path / "d" / "sync", mode="sync", seed=0, val_loss={10: 2.5})
     write_fake_run(tmp_path / "d" / "sync-pipe", mode="sync_pipe", seed=0, val_loss={10: 2.6})
     write_fake_run(tmp_path / "d" / "async", mode="delayed", seed=0, val_loss={10: 2.9})
-    with pytest.raises(CompareError, match=r"mode sync, done.*mode sync_pipe, done"):
+    with pytest.raises(CompareError, match=r"one device, sync, done.*pipeline, sync, done"):
         compare([tmp_path / "d"])
 
 
@@ -579,10 +579,11 @@ def test_two_runs_give_sync_async_and_the_gap_only(tmp_path, monkeypatch, capsys
     from lightning_async.compare.layout import read_layout
 
     monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # `import matplotlib` raises ImportError
-    write_fake_run(tmp_path / "1f1b-adamw", mode="sync_pipe", val_loss={99: 3.0, 199: 2.5, 299: 2.24})
-    write_fake_run(tmp_path / "2bw-adamw", mode="async_pipe", delay=1, val_loss={99: 3.3, 199: 3.2, 299: 3.13})
+    write_fake_run(tmp_path / "1f1b-sync-adamw", mode="sync_pipe", schedule="1f1b", val_loss={99: 3.0, 199: 2.5, 299: 2.24})
+    write_fake_run(tmp_path / "2bw-async-adamw", mode="async_pipe", schedule="2bw", delay=1,
+                   val_loss={99: 3.3, 199: 3.2, 299: 3.13})
     out = tmp_path / "compare-pipeline"
-    assert compare_main([str(tmp_path / "2bw-adamw"), str(tmp_path / "1f1b-adamw"), "--output", str(out)]) == 0
+    assert compare_main([str(tmp_path / "2bw-async-adamw"), str(tmp_path / "1f1b-sync-adamw"), "--output", str(out)]) == 0
     captured = capsys.readouterr()
     table = captured.out.split("\n\n")[1].splitlines()
     assert table[1].split() == ["run", "group", "step", "sync", "async", "gap", "(async-sync)"]
@@ -594,12 +595,34 @@ def test_two_runs_give_sync_async_and_the_gap_only(tmp_path, monkeypatch, capsys
     assert report.startswith("# Sync vs async\n") and "Fieller" not in report and "Student t" not in report
     assert "async+EF" not in report and "## Warnings" not in report
     assert 'matplotlib is not installed (pip install -e ".[plots]" adds them)' in report
-    assert "| 2bw-adamw | adamw | async_pipe | async | 0.001 | 1 | uniform | none | 0 | 300 | 3.1300 |" in report
+    # the run list in the words of the logs and folders: the schedule and the mode, not the recorded sync_pipe
+    assert "| run | optimizer | schedule | mode | lr |" in report and "_pipe" not in report
+    assert "| 2bw-async-adamw | adamw | 2bw | async | 0.001 | 1 | uniform | none | 0 | 300 | 3.1300 |" in report
+    assert "| 1f1b-sync-adamw | adamw | 1f1b | sync | 0.001 | 0 | uniform | none | 0 | 300 | 2.2400 |" in report
     # TensorBoard's run list: the two series, no run named "." (the layout lives in the first series' folder)
     tensorboard = out / "tensorboard"
     assert sorted(p.name for p in tensorboard.iterdir()) == ["async", "sync"]
     assert not any(p.name.startswith(EVENT_PREFIX) for p in tensorboard.iterdir())
     assert [c.title for c in read_layout(tensorboard).category] == ["compare: adamw"]
+
+
+def test_runs_written_by_0_1_read_with_their_schedule_when_their_config_names_it(tmp_path):
+    """0.1 recorded no ``schedule`` (and its folders were ``2bw-adamw``): the recorded ``mode`` still reads, and the
+    schedule comes from the run's ``config.yaml`` (the strategy's ``schedule``); without one it reads ``pipeline``."""
+    for name, mode, schedule in (("1f1b-adamw", "sync_pipe", "gpipe"), ("2bw-adamw", "async_pipe", None)):
+        run = write_fake_run(tmp_path / name, mode=mode, delay=int(mode == "async_pipe"), val_loss={10: 2.5})
+        record = yaml.safe_load((run / "hparams.yaml").read_text())
+        del record["schedule"]
+        (run / "hparams.yaml").write_text(yaml.safe_dump(record))
+        if schedule:
+            (run / "config.yaml").write_text(yaml.safe_dump(
+                {"trainer": {"strategy": {"class_path": "lightning_async.strategies.AsyncPipelineStrategy",
+                                          "init_args": {"schedule": schedule}}}}))
+    result = compare([tmp_path / "2bw-adamw", tmp_path / "1f1b-adamw"], tmp_path / "out", plots=False)
+    assert {r.name: (r.identity.mode, r.identity.schedule_name, r.category) for r in result.runs} == {
+        "1f1b-adamw": ("sync_pipe", "gpipe", "sync"), "2bw-adamw": ("async_pipe", "pipeline", "async")}
+    report = result.report.read_text()
+    assert "| 1f1b-adamw | adamw | gpipe | sync |" in report and "| 2bw-adamw | adamw | pipeline | async |" in report
 
 
 def test_the_interval_paragraph_comes_with_seeds(tmp_path):

@@ -30,21 +30,25 @@ class DieAtBatch(L.Callback):
             os._exit(17)
 
 
-def _fit_with_a_dying_stage() -> None:
+def _fit_with_a_dying_stage(transport: str = "auto") -> None:
     as_torchrun(timeout=60)
     L.seed_everything(0)
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=AsyncPipelineStrategy(n_microbatches=2, timeout=60), max_steps=8,
+        accelerator="cpu", devices=2, strategy=AsyncPipelineStrategy(n_microbatches=2, timeout=60, transport=transport),
+        max_steps=8,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[DieAtBatch(rank=1, batch=2)], num_sanity_val_steps=0, limit_val_batches=0,
     )
     trainer.fit(CausalLM(vocab_size=257, model_overrides=SHAPE), datamodule=TinyData())
 
 
-def test_dead_stage_is_named_and_nobody_hangs():
+@pytest.mark.parametrize("transport", ["auto", "nccl-rules"])
+def test_dead_stage_is_named_and_nobody_hangs(transport):
+    """Under NCCL's rules on gloo too: the survivor meets the dead peer in a ``batch_isend_irecv`` group (NCCL's
+    path), not in a lone tagged send or a pre-posted receive, and must still name it."""
     start = time.monotonic()
     with pytest.raises(RuntimeError) as failure:
-        spawn(2, _fit_with_a_dying_stage, timeout=90, reporting=1)
+        spawn(2, _fit_with_a_dying_stage, transport, timeout=90, reporting=1)
     message = str(failure.value)
     assert message.startswith("rank 0 failed")
     assert "PeerFailure" in message and "stage 1 (global rank 1) stopped answering" in message, message[-600:]
@@ -62,6 +66,13 @@ def test_pre_posted_receives_are_refused_off_gloo():
     assert transport.prepost_enabled is False
     with pytest.raises(ValueError, match="gloo"):
         transport.prepost_enabled = True
+
+
+def test_the_strategy_takes_the_transport_mode_and_names_the_choices():
+    assert AsyncPipelineStrategy(transport="nccl-rules").transport == "nccl-rules"
+    assert AsyncPipelineStrategy().transport == "auto"
+    with pytest.raises(ValueError, match=r"transport must be one of 'auto', 'nccl-rules', got 'NCCL'"):
+        AsyncPipelineStrategy(transport="NCCL")
 
 
 # ---- signals and silent stages: every rank ends within seconds, with a message ------------------------------

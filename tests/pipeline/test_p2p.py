@@ -97,3 +97,72 @@ def test_a_peer_whose_connection_resets_while_posting_is_named(monkeypatch):
     t = StageTransport(group=None, device=torch.device("cpu"), rank_of_piece=lambda k: k + 4, stage_of_rank=lambda r: r - 4)
     with pytest.raises(p2p.PeerFailure, match=r"stage 0 \(global rank 4\) stopped answering: .*Connection reset"):
         t.exchange(([torch.ones(2, 3)], "grad", 1))
+
+
+# ---- NCCL's rules on gloo: the mode's choices, its tags, its refusals (no processes) --------------------------
+def test_the_transport_mode_names_its_choices():
+    with pytest.raises(ValueError, match=r"transport must be one of 'auto', 'nccl-rules', got 'nccl'"):
+        StageTransport(None, torch.device("cpu"), lambda k: k, lambda r: r, transport="nccl")
+    assert p2p.check_transport("nccl-rules") == "nccl-rules"
+
+
+def test_nccl_rules_tag_every_channel_zero_and_refuse_pre_posting(monkeypatch):
+    """On a gloo group the mode takes NCCL's branch: tag 0 on every channel (gloo's rules tag each channel apart), and
+    pre-posted receives are refused with the mode named."""
+    monkeypatch.setattr(p2p.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(p2p.dist, "get_backend", lambda group=None: "gloo")
+    channels = [(piece, kind) for piece in range(4) for kind in ("act", "grad")]
+    gloo = StageTransport(None, torch.device("cpu"), lambda k: k, lambda r: r)
+    assert gloo.prepost_enabled and len({gloo._tag(*c) for c in channels}) == len(channels)
+    rules = StageTransport(None, torch.device("cpu"), lambda k: k, lambda r: r, transport="nccl-rules")
+    assert not rules.prepost_enabled and {rules._tag(*c) for c in channels} == {0}
+    with pytest.raises(ValueError, match=r"Pre-posted receives need the gloo backend.*transport='nccl-rules'"):
+        rules.prepost_enabled = True
+    with pytest.raises(ValueError, match="transport='nccl-rules'"):
+        StageTransport(None, torch.device("cpu"), lambda k: k, lambda r: r, prepost=True, transport="nccl-rules")
+
+
+def test_nccl_rules_post_every_group_through_batch_isend_irecv(fake_sends, monkeypatch):
+    made, _ = fake_sends
+    monkeypatch.setattr(p2p.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(p2p.dist, "get_backend", lambda group=None: "gloo")
+    t = StageTransport(None, torch.device("cpu"), lambda k: k, lambda r: r, transport="nccl-rules")
+    _send_grad_like(t, 3)
+    assert t.groups_batched == 3 and len(made) == 3
+
+
+@pytest.mark.parametrize("schedule, stages, m, refused", [
+    ("zbv", 2, 4, True), ("zbv", 3, 4, True), ("zbv", 2, 2, False), ("zbh1", 2, 4, False), ("interleaved", 2, 4, False),
+    ("2bw", 3, 3, False),
+])
+def test_nccl_rules_refuse_what_nccl_cannot_match(schedule, stages, m, refused):
+    """The order check that refuses ZB-V on NCCL refuses it under the mode too, and only where its order differs."""
+    from lightning_async.pipeline import schedules
+    from lightning_async.pipeline.run_checks import check_message_order
+
+    spec = schedules.spec(schedule)
+    check_message_order(spec, stages, m)  # gloo's rules: any order matches by tag
+    if not refused:
+        check_message_order(spec, stages, m, "nccl-rules")
+        return
+    with pytest.raises(ValueError, match=rf"Schedule '{schedule}' .*transport='nccl-rules'.*first pair that disagrees"):
+        check_message_order(spec, stages, m, "nccl-rules")
+    with pytest.raises(ValueError, match=rf"Schedule '{schedule}' .*NCCL \(no tags\)"):
+        check_message_order(spec, stages, m, backend="nccl")
+
+
+def test_building_a_rank_under_nccl_rules_refuses_zbv_before_any_group():
+    """``pipeline.rank.build`` (the strategy's, the harness's and the benchmarks' one way to a runtime) checks the
+    order before it makes a process group: no group exists in this process, so reaching one would fail otherwise."""
+    import torch.distributed as dist
+
+    from _pipeline_harness import make_model, sgd
+    from lightning_async.pipeline.rank import build, plan_rank
+
+    model = make_model()
+    plan = plan_rank([(f"model.{n}", u) for n, u in model.pipeline_units()], "zbv", 4, rank=0, world_size=2)
+    with pytest.raises(ValueError, match=r"Schedule 'zbv' .*transport='nccl-rules'"):
+        build(plan, sgd(plan.named_parameters), lambda b: b, lambda y, t: y, transport="nccl-rules")
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match="transport must be one of"):
+        build(plan, sgd(plan.named_parameters), lambda b: b, lambda y, t: y, transport="NCCL")

@@ -2,11 +2,19 @@
 
 Every scenario of one stage count runs inside one spawn (process start-up dominates on CPU).
 2BW must equal ``DelayedOptimizer(pairing="2bw")``; the flushing schedules must equal plain training.
+
+NCCL's rules on gloo: every schedule NCCL can run is run again under ``transport="nccl-rules"`` (tag 0, so two ranks'
+messages match in posting order; ``batch_isend_irecv`` groups; no pre-posted receives) in the same spawns, as a twin
+of a scenario under gloo's rules; the twin must train to the same bits. ZB-V, whose two ends of a pair post in
+different orders at 4 micro-batches, is refused under the mode, and with the refusal taken out it trains wrong
+(the negative control: the mode really matches in posting order).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import KW_ONLY, dataclass
+from unittest import mock
 
 import pytest
 import torch
@@ -38,10 +46,17 @@ class Scenario:
     drain_after: tuple[int, ...] = ()  # batches after which the pipeline is evaluated (which drains it)
     prepost: bool = True  # pre-posted receives (gloo's default); False: the fused send/receive groups NCCL uses
     workload: str = "smollm2"  # "smollm2", "deep" or a Hugging Face model of test_hf.py (see workload_named)
+    transport: str = "auto"  # "nccl-rules": NCCL's matching rules on gloo (no pre-posting: prepost=False)
 
     def __post_init__(self):
         if self.ef_strength and self.correction:
             raise ValueError(f"a scenario runs one correction, not EF {self.ef_strength} and {self.correction}")
+        if self.transport == "nccl-rules" and self.prepost:
+            raise ValueError("transport='nccl-rules' never pre-posts receives: give prepost=False")
+
+    def under_nccl_rules(self) -> "Scenario":
+        """This scenario again under NCCL's rules on gloo (its twin: the same run, every message tag 0)."""
+        return dataclasses.replace(self, transport="nccl-rules", prepost=False)
 
     @property
     def correction_setting(self) -> float | dict:
@@ -50,7 +65,7 @@ class Scenario:
 
     def __str__(self) -> str:
         correction = self.correction["method"] if self.correction else f"ef={self.ef_strength}"
-        return f"{self.schedule}/{self.optimizer}/{correction}/clip={self.clip}/{self.workload}"
+        return f"{self.schedule}/{self.optimizer}/{correction}/clip={self.clip}/{self.workload}/{self.transport}"
 
 
 # Keyed by the number of processes. Workloads: the harness's tied SmolLM2 (default; 4 blocks), ``deep`` (6 blocks:
@@ -100,6 +115,14 @@ SCENARIOS = {
         Scenario(2, "zbv", "adamw", clip=1.0),  # pipeline x data parallel, two chunks per rank
     ],
 }
+# Under NCCL's rules (their twins appended to the same spawns): every schedule, with corrections, clipping, drains,
+# the Hugging Face workloads, 3 stages, 4 stages and 2 stages x 2 replicas (the indices of their twins above). ZB-V
+# where its two ends post each pair's messages in the same order (2 micro-batches on 2 stages, 4 on 4): the order
+# check lets it run there.
+NCCL_RULES_TWINS = {2: [0, 1, 5, 6, 7, 10, 11, 12, 15, 16, 17], 3: [3, 4, 6], 4: [0, 3, 4, 5, 6, 7, 8]}
+TWINS = {world: {len(SCENARIOS[world]) + k: i for k, i in enumerate(indices)} for world, indices in NCCL_RULES_TWINS.items()}
+for _world, _indices in NCCL_RULES_TWINS.items():
+    SCENARIOS[_world] += [SCENARIOS[_world][i].under_nccl_rules() for i in _indices]
 
 
 def workload_named(name: str):
@@ -118,18 +141,54 @@ def microbatches(stages: int) -> int:
 
 
 def _all_scenarios(world: int) -> list:
-    return [
+    runs = [
         pipeline_run(sc.stages, sc.schedule, sc.optimizer, sc.correction_setting, STEPS, sc.clip,
                      m=microbatches(sc.stages), drain_at=sc.drain_after, prepost=sc.prepost,
-                     workload=workload_named(sc.workload))
+                     workload=workload_named(sc.workload), transport=sc.transport)
         for sc in SCENARIOS[world]
     ]
+    return runs + [_zbv_in_posting_order()] if world == 2 else runs
+
+
+ZBV_MISMATCHED = 4  # micro-batches at which ZB-V's two ends of the pair post in different orders (2 at 2 do not)
+
+
+def _zbv_in_posting_order() -> dict:
+    """The negative control (after the scenarios, one entry more): ZB-V on 2 stages at 4 micro-batches under gloo's
+    rules, refused under NCCL's, and run under NCCL's with the refusal taken out."""
+    import lightning_async.pipeline.rank as rank
+
+    def run(transport: str):
+        return pipeline_run(2, "zbv", "adamw", 0.0, STEPS, 1.0, m=ZBV_MISMATCHED, prepost=False, transport=transport)[0]
+
+    try:
+        run("nccl-rules")
+        refusal = None
+    except ValueError as err:  # raised by every rank alike, before any process group
+        refusal = str(err)
+    with mock.patch.object(rank, "check_message_order", lambda *args, **kwargs: None):
+        unchecked = run("nccl-rules")
+    return {"tagged": run("auto"), "refusal": refusal, "unchecked": unchecked}
 
 
 @pytest.fixture(scope="module", params=[2, 3, 4], ids=["2-processes", "3-processes", "4-processes"])
 def pipeline_results(request):
     world = request.param
     return world, spawn(world, _all_scenarios, world)
+
+
+_REFERENCES: dict[tuple, dict[str, torch.Tensor]] = {}
+
+
+def _reference(sc: Scenario, world: int) -> dict[str, torch.Tensor]:
+    """The single-device run ``sc`` must equal, computed once per setting (a twin under NCCL's rules shares it)."""
+    delay = 1 if spec(sc.schedule).delayed else 0
+    m = microbatches(sc.stages) * (world // sc.stages)
+    key = (sc.optimizer, delay, repr(sc.correction_setting), sc.clip, m, sc.workload)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = reference_run(sc.optimizer, delay, sc.correction_setting, STEPS, sc.clip, microbatches=m,
+                                         workload=workload_named(sc.workload))
+    return _REFERENCES[key]
 
 
 def _merge(per_rank: list, index: int) -> dict[str, torch.Tensor]:
@@ -142,10 +201,8 @@ def _merge(per_rank: list, index: int) -> dict[str, torch.Tensor]:
 def test_pipeline_equals_single_device_rule(pipeline_results):
     world, per_rank = pipeline_results
     for index, sc in enumerate(SCENARIOS[world]):
-        delay = 1 if spec(sc.schedule).delayed else 0
         replicas = world // sc.stages
-        reference = reference_run(sc.optimizer, delay, sc.correction_setting, STEPS, sc.clip,
-                                  microbatches=microbatches(sc.stages) * replicas, workload=workload_named(sc.workload))
+        reference = _reference(sc, world)
         for replica in range(replicas):  # every replica holds the same weights
             weights = _merge(per_rank[replica * sc.stages : (replica + 1) * sc.stages], index)
             assert set(weights) <= set(reference) and len(weights) >= len(reference) - 1  # tied head may appear once
@@ -179,3 +236,45 @@ def test_receives_are_preposted_only_where_asked(pipeline_results):
             assert all(n > 0 for n in counts), f"scenario {index}: every stage pre-posts receives, got {counts}"
         else:
             assert counts == [0] * world
+
+
+def test_nccl_rules_take_nccls_path(pipeline_results):
+    """Under the mode every group goes through ``batch_isend_irecv`` and nothing is pre-posted; under gloo's rules
+    gloo posts each message on its own (no group is batched)."""
+    world, per_rank = pipeline_results
+    for index, sc in enumerate(SCENARIOS[world]):
+        batched = [rank_results[index][5] for rank_results in per_rank]
+        if sc.transport == "nccl-rules":
+            assert all(n > 0 for n in batched), f"{sc}: groups batched per rank {batched}"
+        else:
+            assert batched == [0] * world, f"{sc}: groups batched per rank {batched}"
+
+
+def test_nccl_rules_train_to_the_same_bits_as_gloos(pipeline_results):
+    """Every twin under NCCL's rules equals its scenario under gloo's rules exactly: the same messages reached the same
+    receives, only matched by posting order instead of by tag."""
+    world, per_rank = pipeline_results
+    assert TWINS[world], "every spawn runs some scenarios under NCCL's rules"
+    for twin, index in TWINS[world].items():
+        assert SCENARIOS[world][twin] == SCENARIOS[world][index].under_nccl_rules()
+        for rank, rank_results in enumerate(per_rank):
+            ours, theirs = rank_results[twin], rank_results[index]
+            assert ours[0].keys() == theirs[0].keys()
+            different = [n for n in ours[0] if not torch.equal(ours[0][n], theirs[0][n])]
+            assert not different, f"{SCENARIOS[world][twin]}, rank {rank}: differs from gloo's rules in {different[:3]}"
+            assert ours[1] == theirs[1], f"{SCENARIOS[world][twin]}, rank {rank}: losses differ"
+
+
+@pytest.mark.parametrize("pipeline_results", [2], indirect=True, ids=["2-processes"])
+def test_zbv_is_refused_under_nccl_rules_and_would_train_wrong(pipeline_results):
+    _, per_rank = pipeline_results
+    controls = [rank_results[len(SCENARIOS[2])] for rank_results in per_rank]
+    for control in controls:
+        assert control["refusal"] and "Schedule 'zbv'" in control["refusal"], control["refusal"]
+        assert "transport='nccl-rules'" in control["refusal"] and "first pair that disagrees" in control["refusal"]
+    tagged = {n: w for c in controls for n, w in c["tagged"].items()}
+    unchecked = {n: w for c in controls for n, w in c["unchecked"].items()}
+    reference = reference_run("adamw", 0, 0.0, STEPS, 1.0, microbatches=ZBV_MISMATCHED)
+    assert max((tagged[n] - reference[n]).abs().max().item() for n in tagged) < 2e-5  # gloo's tags: exact
+    worst = max((unchecked[n] - reference[n]).abs().max().item() for n in unchecked)
+    assert worst > 1e-3, f"ZB-V matched in posting order should train wrong, max |diff| = {worst}"

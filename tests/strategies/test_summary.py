@@ -43,3 +43,18 @@ def test_v_placement_puts_the_first_and_last_piece_on_stage_0():
     head, embed = module.model.head.proj.weight, module.model.embed.weight
     tied = head.numel() if head is embed else 0
     assert tied and per_stage == [piece[0] + piece[3] - tied, piece[1] + piece[2]]
+
+
+def test_the_memory_line_says_pipeline_not_the_strategy_name(monkeypatch):
+    """The memory lines of every schedule (the 1F1B baseline's too) read ``pipeline memory``, as the setup line
+    reads ``pipeline: schedule=..., mode=...``: not ``async_pipe``, the strategy's registry name."""
+    from lightning_async.strategies import memory_log
+
+    printed = []
+    monkeypatch.setattr(memory_log, "rank_zero_info", printed.append)
+    logged = {}
+    logger = SimpleNamespace(log_metrics=logged.update)
+    reports = [{"stage": s, "replica": r, "parameters": 2**20, "in_flight_microbatches": 3} for s in (0, 1) for r in (0, 1)]
+    memory_log.log_memory_reports(reports, logger)
+    assert printed == ["pipeline memory, stage 0: parameters 1.0 MiB", "pipeline memory, stage 1: parameters 1.0 MiB"]
+    assert logged == {"train/memory/stage0/parameters_mib": 1.0, "train/memory/stage1/parameters_mib": 1.0}
