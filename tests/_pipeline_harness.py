@@ -91,11 +91,13 @@ def correction_of(setting):
 
 
 def reference_run(
-    optimizer: str, delay: int, ef, steps: int, clip: float | None, microbatches: int = 1, workload: Workload = SMOLLM2
+    optimizer: str, delay: int, ef, steps: int, clip: float | None, microbatches: int = 1, workload: Workload = SMOLLM2,
+    autocast: Callable = contextlib.nullcontext, optimizer_kwargs: dict | None = None,
 ) -> dict[str, torch.Tensor]:
     """Single-device run with DelayedOptimizer(pairing='2bw'); returns the newest weights by name.
 
-    ``ef``: the correction (:func:`correction_of`).
+    ``ef``: the correction (:func:`correction_of`). ``autocast``: the forwards and losses run under it (as the
+    pipeline's ``autocast`` option runs them); ``optimizer_kwargs`` go to ``build_optimizer`` (e.g. ``fused=True``).
 
     With ``microbatches`` the gradient is summed over chunks in the pipeline's order, so optimizers
     that amplify rounding (SOAP's eigenbases) can be compared exactly too.
@@ -103,14 +105,17 @@ def reference_run(
     w = workload
     model = w.make_model()
     named = [(f"model.{n}", p) for n, p in model.named_parameters()]
-    opt = build_optimizer(optimizer, named, lr=LRS[optimizer], weight_decay=0.1, **KWARGS.get(optimizer, {}))
+    opt = build_optimizer(optimizer, named, lr=LRS[optimizer], weight_decay=0.1,
+                          **{**KWARGS.get(optimizer, {}), **(optimizer_kwargs or {})})
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
     wrapped = DelayedOptimizer(opt, delay=delay, pairing="2bw", correction=correction_of(ef) if delay else None)
     schedule_hyperparameters(opt, 0)
     for step, batch in enumerate(w.make_batches(steps)):
         for chunk in split_rows(batch, microbatches):
             inputs, targets = w.split_batch(chunk)
-            (w.loss(model(inputs), targets) / microbatches).backward()
+            with autocast():
+                loss = w.loss(model(inputs), targets)
+            (loss / microbatches).backward()
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         wrapped.step()
@@ -142,13 +147,14 @@ def rank_runtime(units, schedule: str, m: int, split_batch: Callable, loss: Call
 def pipeline_run(
     stages: int, schedule: str, optimizer: str, ef: float, steps: int, clip: float | None, m: int, drain_at=(), prepost=None,
     workload: Workload = SMOLLM2, activation_checkpointing: bool = False, shard_optimizer: bool = False,
-    fsdp: bool = False, transport: str = "auto",
+    fsdp: bool = False, transport: str = "auto", autocast: Callable = contextlib.nullcontext,
+    optimizer_kwargs: dict | None = None,
 ):
     """Run inside a process of an initialised gloo group; returns this stage's weights by name, the losses,
     the number of receives the transport pre-posted (``prepost``: see ``StageTransport``), of the boundary
     headers it sent, the runtime's memory report at the end (``shard_optimizer``: ZeRO-1 over the replicas; ``fsdp``: FSDP2 inside each stage, the weights returned whole),
     and the number of groups the transport posted through ``batch_isend_irecv`` (``transport="nccl-rules"``: NCCL's
-    path on gloo, the only one that batches there).
+    path on gloo, the only one that batches there). ``autocast`` and ``optimizer_kwargs``: as in :func:`reference_run`.
 
     After the batches in ``drain_at`` the pipeline is evaluated under ``torch.inference_mode`` (as Lightning
     does on NCCL), which drains it; the update rule must not notice. The final evaluation uses a batch whose
@@ -159,12 +165,13 @@ def pipeline_run(
     model = w.make_model()
     units = [(f"model.{n}", u) for n, u in model.pipeline_units()]
     plan = plan_rank(units, schedule, m, rank=rank, world_size=dist.get_world_size(), pipeline_parallel_size=stages)
-    opt = build_optimizer(optimizer, plan.named_parameters, lr=LRS[optimizer], weight_decay=0.1, **KWARGS.get(optimizer, {}))
+    opt = build_optimizer(optimizer, plan.named_parameters, lr=LRS[optimizer], weight_decay=0.1,
+                          **{**KWARGS.get(optimizer, {}), **(optimizer_kwargs or {})})
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
     schedule_hyperparameters(opt, 0)
     built = build(
         plan, opt, w.split_batch, w.loss, gradient_clip_val=clip, correction=correction_of(ef),
-        autocast=contextlib.nullcontext, context_fn=getattr(model, "pipeline_context", None),
+        autocast=autocast, context_fn=getattr(model, "pipeline_context", None),
         activation_checkpointing=activation_checkpointing, shard_optimizer=shard_optimizer, fsdp=fsdp,
         transport=transport,
     )

@@ -121,7 +121,7 @@ class DelaySimulation(Callback):
         pairing: ``"2bw"`` (evaluate batch t at ``x(t-k)``; exact pipeline pairing) or ``"fifo"``.
         start_fraction: share of ``trainer.max_steps`` trained synchronously before the delay starts
             (the paper's "sync start" baseline; 0 = delayed from the first step).
-        profile: per-unit delays (:mod:`lightning_async.pipeline.profiles`): ``"2bw"``, ``"pipedream"``
+        profile: per-unit delays (:mod:`lightning_async.pipeline.profiles`): ``"2bw"``, ``"pipedream"``, ``"wpipe"``
             (stage ``s`` of ``stages`` is ``stages - 1 - s`` steps stale), a list of per-stage delays, or a
             mapping from the module's ``pipeline_units()`` names to delays. Needs a module with ``pipeline_units``.
         stages: how many stages the profile splits the units into (as the pipeline's ``partition`` would).

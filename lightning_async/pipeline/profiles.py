@@ -6,8 +6,13 @@ stage's are current. A profile says which delay each unit gets; :func:`parameter
 per-parameter delays of :class:`~lightning_async.optim.DelayedOptimizer`, using the same partition of units
 into stages as the real pipeline (:func:`~lightning_async.pipeline.partition.partition_units`).
 
+WPipe (Yang et al. 2022) cuts the model into ``2p`` pieces in two groups: rank ``s`` holds piece ``s`` of the first
+half (G0) and piece ``p + s`` of the second (G1). G0 is one step stale as under 2BW, G1 is not stale on its own
+weights but reads G0's older output: ``g(t) = grad f_t(A(t - 1), B(t))``. On one device that is exactly the first
+half of the units one step stale and the second half current, which the ``"wpipe"`` profile gives.
+
 Profiles: ``"uniform"`` (every unit ``delay``), ``"2bw"`` (every unit 1), ``"pipedream"`` (``p - 1 - s``,
-needs ``stages``), a list of per-stage delays (its length is the number of stages), or a mapping from unit
+needs ``stages``), ``"wpipe"`` (the ``2 * stages`` pieces' first half 1, second half 0), a list of per-stage delays (its length is the number of stages), or a mapping from unit
 names to delays (units not named get ``delay``). A weight shared by several units (tied embeddings) takes the
 delay of the first unit that holds it (the embedding: the stalest).
 """
@@ -21,7 +26,12 @@ from torch import nn
 
 from lightning_async.pipeline.partition import partition_units
 
-NAMED_PROFILES = ("uniform", "2bw", "pipedream")
+NAMED_PROFILES = ("uniform", "2bw", "pipedream", "wpipe")
+#: the profiles that need the number of stages, and what each gives per piece
+_STAGED = {
+    "pipedream": lambda stages: [stages - 1 - s for s in range(stages)],
+    "wpipe": lambda stages: [1] * stages + [0] * stages,  # G0's pieces, then G1's
+}
 
 Profile = str | Sequence[int] | Mapping[str, int] | None
 
@@ -34,10 +44,10 @@ def stage_delays(profile: Profile, stages: int | None, delay: int) -> list[int] 
         if profile not in NAMED_PROFILES:
             raise ValueError(f"Unknown delay profile {profile!r}. Choose one of {', '.join(NAMED_PROFILES)}, a list of "
                              "per-stage delays, or a mapping from unit names to delays.")
-        if profile == "pipedream":
+        if profile in _STAGED:
             if not isinstance(stages, int) or stages < 1:
-                raise ValueError("The 'pipedream' delay profile needs the number of stages: set stages (e.g. 4).")
-            return [stages - 1 - s for s in range(stages)]
+                raise ValueError(f"The {profile!r} delay profile needs the number of stages: set stages (e.g. 4).")
+            return _STAGED[profile](stages)
         return [delay if profile == "uniform" else 1] * (stages or 1)
     delays = list(profile)
     if stages is not None and len(delays) != stages:
@@ -74,8 +84,8 @@ def describe(profile: Profile, stages: int | None, delay: int) -> str:
     """A short label for a run's record: ``uniform``, ``pipedream-4``, ``[3, 2, 1, 0]`` or ``units``."""
     if profile is None or profile == "uniform":
         return "uniform"
-    if profile == "pipedream":
-        return f"pipedream-{stages}"
+    if profile in _STAGED:
+        return f"{profile}-{stages}"
     if isinstance(profile, str):
         return profile
     if isinstance(profile, Mapping):

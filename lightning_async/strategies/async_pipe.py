@@ -51,6 +51,11 @@ from lightning_async.strategies.summary import log_parameter_counts
 from lightning_async.strategies.split import decide_stage_units, record_split, recorded_split
 
 
+def _setting(name: str, doc: str | None = None) -> property:
+    """A read-only attribute of the strategy that is its config's setting ``name``."""
+    return property(lambda self: getattr(self.config, name), doc=doc or f"The config's ``{name}``.")
+
+
 class AsyncPipelineStrategy(DDPStrategy):
     """One process per pipeline stage; trains with PipeDream-2BW (``schedule="2bw"``) or a synchronous schedule.
 
@@ -144,30 +149,13 @@ class AsyncPipelineStrategy(DDPStrategy):
     def schedule(self) -> str:
         return self.config.schedule.name
 
-    @property
-    def correction(self):
-        """The ``correction=`` setting (a name, a dict or a Correction; built per rank by :meth:`make_correction`)."""
-        return self.config.correction
-
-    @property
-    def partition(self):
-        return self.config.partition
-
-    @property
-    def activation_checkpointing(self) -> bool:
-        return self.config.activation_checkpointing
-
-    @property
-    def shard_optimizer(self) -> bool:
-        return self.config.shard_optimizer
-
-    @property
-    def fsdp(self) -> bool:
-        return self.config.fsdp
-
-    @property
-    def checkpoint_format(self) -> str:
-        return self.config.checkpoint_format
+    correction = _setting("correction", "The ``correction=`` setting (a name, a dict or a Correction; built per rank by "
+                                        ":meth:`make_correction`).")
+    partition = _setting("partition")
+    activation_checkpointing = _setting("activation_checkpointing")
+    shard_optimizer = _setting("shard_optimizer")
+    fsdp = _setting("fsdp")
+    checkpoint_format = _setting("checkpoint_format")
 
     # ---- mesh ---------------------------------------------------------------------------------
     @property

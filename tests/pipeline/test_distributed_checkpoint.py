@@ -2,7 +2,8 @@
 
 A 2-stage run saves; a 4-stage run resumes it and ends where the 2-stage run ends; a 2 stages x 2 replicas run with
 the sharded optimizer resumes it from identical weights and optimizer state (its data differs: two replicas read
-twice the rows), and its own checkpoint (step 8) resumes on 4 stages from identical weights and state again.
+twice the rows), and its own checkpoint (step 8) resumes on 4 stages from identical weights and state again. The
+4-stage resume runs once more under NCCL's rules on gloo (``transport="nccl-rules"``) and must end where it ends.
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ from lightning_async.pipeline.checkpoint import consolidate, read_meta
 pytestmark = pytest.mark.slow  # the tests here start processes
 
 
-def _strategy(stages: int, shard: bool = False):
+def _strategy(stages: int, shard: bool = False, transport: str = "auto"):
     from lightning_async.strategies import AsyncPipelineStrategy
 
     return AsyncPipelineStrategy(pipeline_parallel_size=stages, n_microbatches=4, correction="ef", shard_optimizer=shard,
-                                 checkpoint_format="dcp")
+                                 checkpoint_format="dcp", transport=transport)
 
 
 class StartState:
@@ -59,6 +60,7 @@ def _four_processes(tmp: str) -> dict:
     as_torchrun()
     p2 = os.path.join(tmp, "p2", "step=4.ckpt")
     out = {"p4": fit(_strategy(4), 4, ckpt_path=p2)}
+    out["p4_nccl_rules"] = fit(_strategy(4, transport="nccl-rules"), 4, ckpt_path=p2)
     start = StartState()
     out["dp2_sharded"] = fit(_strategy(2, shard=True), 4, callbacks=[start], ckpt_path=p2,
                              ckpt_dir=os.path.join(tmp, "dp2"))
@@ -99,6 +101,16 @@ def test_a_two_stage_checkpoint_resumes_on_four_stages_exactly(layouts):
     assert set(p2) == set(p4)
     worst = max((p2[k] - p4[k]).abs().max().item() for k in p2)
     assert worst < 2e-5, f"max |p=4 resumed - p=2 uninterrupted| = {worst}"
+
+
+def test_a_resume_under_nccl_rules_ends_where_gloos_rules_end(layouts):
+    _, _, four = layouts
+    tagged, in_order = _merged(four, "p4"), _merged(four, "p4_nccl_rules")
+    assert set(tagged) == set(in_order)
+    worst = max((tagged[k] - in_order[k]).abs().max().item() for k in tagged)
+    assert worst < 1e-6, f"max |nccl-rules - gloo's rules| after the 4-stage resume = {worst}"
+    for rank in four:
+        assert rank["p4_nccl_rules"][1]["train/loss"] == pytest.approx(rank["p4"][1]["train/loss"], abs=1e-6)
 
 
 @pytest.mark.parametrize("run, checkpoint", [("dp2_start", "p2/step=4.ckpt"), ("back_start", "dp2/step=8.ckpt")])

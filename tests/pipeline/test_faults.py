@@ -89,12 +89,13 @@ class SignalAtBatch(L.Callback):
             os.kill(os.getpid(), self.signum)
 
 
-def _fit_outcome(timeout: float, callbacks: list) -> dict:
+def _fit_outcome(timeout: float, callbacks: list, transport: str = "auto") -> dict:
     """Fit on this rank (as torchrun starts it); how it ended and when, instead of raising."""
     as_torchrun(timeout)
     L.seed_everything(0)
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=AsyncPipelineStrategy(n_microbatches=2, timeout=timeout), max_steps=8,
+        accelerator="cpu", devices=2, strategy=AsyncPipelineStrategy(n_microbatches=2, timeout=timeout, transport=transport),
+        max_steps=8,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=callbacks, num_sanity_val_steps=0, limit_val_batches=0,
     )
@@ -106,11 +107,13 @@ def _fit_outcome(timeout: float, callbacks: list) -> dict:
     return dict(outcome, ended=time.time())
 
 
-def test_sigterm_to_one_stage_stops_every_rank_within_seconds(tmp_path):
-    """Before: the signalled rank waited in Lightning's SIGTERM broadcast from rank 0, every rank for `timeout`."""
+@pytest.mark.parametrize("transport", ["auto", "nccl-rules"])
+def test_sigterm_to_one_stage_stops_every_rank_within_seconds(tmp_path, transport):
+    """Before: the signalled rank waited in Lightning's SIGTERM broadcast from rank 0, every rank for `timeout`.
+    Under NCCL's rules on gloo too (tag 0, batched groups: the stop must not leave a message matched out of order)."""
     stamp = str(tmp_path / "signalled")
     callbacks = [SignalAtBatch(rank=1, batch=2, signum=signal.SIGTERM, stamp=stamp)]
-    ends = spawn(2, _fit_outcome, 60, callbacks, timeout=120)
+    ends = spawn(2, _fit_outcome, 60, callbacks, transport, timeout=120)
     stopped, peer = ends[1], ends[0]
     assert stopped["error"] == "StageTerminated", stopped
     assert "SIGTERM: pipeline stage 1 (global rank 1) stopped at step 3" in stopped["message"]

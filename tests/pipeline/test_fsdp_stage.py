@@ -4,6 +4,8 @@ Every scenario runs with and without ``fsdp`` in the same spawn (2 stages x 2 an
 weights of every rank, the losses and the final evaluation must agree, and each replica must hold about 1/dp of its
 stage's weights, gradients and optimizer state. Through the strategy too: ``AsyncPipelineStrategy(fsdp=True)`` fits
 to the same weights and metrics as without. What FSDP inside a stage does not run is refused before any group.
+On 2 x 2, 1F1B and 2BW run under FSDP a third time under NCCL's rules on gloo (``transport="nccl-rules"``): FSDP's
+gathers and reductions between the batched, in-order point-to-point groups, as on GPUs.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ SCENARIOS = {
 WORKLOAD = dataclasses.replace(harness.SMOLLM2, make_batches=functools.partial(harness.make_batches, batch_size=24))
 
 
+NCCL_RULES = {4: [("1f1b", "adamw"), ("2bw", "adamw")]}  # (schedule, optimizer) also run under NCCL's rules
+
+
 def _both(world: int, tmp: str) -> dict:
     out = {}
     for schedule, optimizer, ef, clip in SCENARIOS[world]:
@@ -45,6 +50,10 @@ def _both(world: int, tmp: str) -> dict:
             pipeline_run(2, schedule, optimizer, ef, STEPS, clip, m=2, drain_at=(3,), workload=WORKLOAD, fsdp=fsdp)
             for fsdp in (False, True)
         ]
+        if (schedule, optimizer) in NCCL_RULES.get(world, ()):
+            out["nccl-rules", schedule, optimizer] = pipeline_run(
+                2, schedule, optimizer, ef, STEPS, clip, m=2, drain_at=(3,), workload=WORKLOAD, fsdp=True,
+                transport="nccl-rules")
     if world == 4:
         out["strategy"] = _fit_both()
         out["checkpoints"] = _checkpoints_move(tmp)
@@ -116,6 +125,18 @@ def test_fsdp_equals_unsharded(fsdp_results):
             worst = max((plain[0][n] - sharded[0][n]).abs().max().item() for n in plain[0])
             assert worst < 1e-6, f"{where}: max |diff| = {worst}"
             assert plain[1] == pytest.approx(sharded[1], abs=1e-6), where
+
+
+@pytest.mark.slow
+def test_fsdp_under_nccl_rules_equals_gloos_rules(fsdp_results):
+    world, per_rank = fsdp_results
+    for schedule, optimizer in NCCL_RULES.get(world, ()):
+        for rank, results in enumerate(per_rank):
+            ours, theirs = results["nccl-rules", schedule, optimizer], results[schedule, optimizer][1]
+            assert ours[5] > 0 and ours[2] == 0, "NCCL's path: batched groups, nothing pre-posted"
+            worst = max((ours[0][n] - theirs[0][n]).abs().max().item() for n in theirs[0])
+            assert worst < 1e-6, f"{schedule}/{optimizer} rank {rank}: max |nccl-rules - gloo's rules| = {worst}"
+            assert ours[1] == pytest.approx(theirs[1], abs=1e-6)
 
 
 @pytest.mark.slow

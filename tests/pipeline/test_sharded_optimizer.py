@@ -2,6 +2,8 @@
 
 Every scenario runs sharded and unsharded in the same spawn; the weights of every rank, the losses and the final
 evaluation must agree, and each replica must hold only its share of the optimizer state and correction buffers.
+Some run sharded a third time under NCCL's rules on gloo (``transport="nccl-rules"``: in-order matching, batched
+groups), where the weight broadcasts meet the point-to-point traffic as they would on GPUs.
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ SCENARIOS = {
 }
 
 
+# (schedule, optimizer) of the scenarios that also run sharded under NCCL's rules
+NCCL_RULES = {("2bw", "adamw"), ("1f1b", "adamw"), ("zbh1", "adamw")}
+
+
 # batches of 24 rows (the shrunk one 12): every replica's share splits into 2 micro-batches for 2 and 3 replicas
 WORKLOAD = dataclasses.replace(harness.SMOLLM2, make_batches=functools.partial(harness.make_batches, batch_size=24))
 
@@ -41,8 +47,9 @@ def _both(world: int) -> list:
     out = []
     for schedule, optimizer, ef, clip in SCENARIOS[world]:
         runs = [pipeline_run(2, schedule, optimizer, ef, STEPS, clip, m=2, drain_at=(3,), workload=WORKLOAD,
-                             shard_optimizer=shard)
-                for shard in (False, True)]
+                             shard_optimizer=shard, transport=transport)
+                for shard, transport in ((False, "auto"), (True, "auto"), (True, "nccl-rules"))
+                if transport == "auto" or (schedule, optimizer) in NCCL_RULES]
         out.append(runs)
     return out
 
@@ -81,11 +88,13 @@ def test_sharded_equals_unsharded(sharded_results):
     world, per_rank = sharded_results
     for index, scenario in enumerate(SCENARIOS[world]):
         for rank, results in enumerate(per_rank):
-            (plain, plain_losses, *_), (sharded, sharded_losses, *_) = results[index]
-            assert set(plain) == set(sharded)
-            worst = max((plain[n] - sharded[n]).abs().max().item() for n in plain)
-            assert worst < 1e-6, f"{scenario} rank {rank}: max |sharded - unsharded| = {worst}"
-            assert sharded_losses == pytest.approx(plain_losses, abs=1e-6)
+            (plain, plain_losses, *_), *sharded_runs = results[index]
+            assert len(sharded_runs) == 1 + (scenario[:2] in NCCL_RULES)
+            for transport, (sharded, sharded_losses, *_) in zip(("auto", "nccl-rules"), sharded_runs):
+                assert set(plain) == set(sharded)
+                worst = max((plain[n] - sharded[n]).abs().max().item() for n in plain)
+                assert worst < 1e-6, f"{scenario} {transport} rank {rank}: max |sharded - unsharded| = {worst}"
+                assert sharded_losses == pytest.approx(plain_losses, abs=1e-6)
 
 
 @pytest.mark.slow
