@@ -211,7 +211,7 @@ def measured_worker(cfg: dict) -> dict:
     def sample():
         # (chunk, mb) forwarded and not yet backwarded (B, or I when split): what autograd saved for it; and the
         # tensors the deferred weight gradients of split backwards hold until their W, read off the runtime
-        held, deferred = list(runtime._inflight), list(runtime._deferred.values())
+        held, deferred = list(runtime.compute.inflight), list(runtime.compute.deferred.values())
         peak["inflight"] = max(peak["inflight"], len(held))
         peak["deferred"] = max(peak["deferred"], len(deferred))
         kept = storage_bytes([t for d in deferred for t in d.held], exclude=weights)
@@ -228,8 +228,9 @@ def measured_worker(cfg: dict) -> dict:
             return out
         return spy
 
-    runtime._forward, runtime._backward = spied(runtime._forward), spied(runtime._backward)
-    runtime._weight_grad = spied(runtime._weight_grad)
+    compute = runtime.compute
+    compute.forward, compute.backward = spied(compute.forward), spied(compute.backward)
+    compute.weight_grad = spied(compute.weight_grad)
     t0 = time.perf_counter()
     for b, batch in enumerate(batches):
         runtime.train_batch(batch)

@@ -170,9 +170,9 @@ def _run_ours(work: Workload, name: str, batches, warm: int, clock: Clock, profi
                            rank=dist.get_rank(), world_size=p, pipeline_parallel_size=p,
                            stage_units=_stage_units(work, units, spec.virtual_stages(p))).runtime
     rt.transport.prepost_enabled = rt.transport.prepost_enabled and not name.endswith(FUSED)
-    rt._forward = clock.trace("F", rt._forward)
-    rt._backward = clock.trace("B", rt._backward)
-    rt._weight_grad = clock.trace("W", rt._weight_grad)
+    rt.compute.forward = clock.trace("F", rt.compute.forward)
+    rt.compute.backward = clock.trace("B", rt.compute.backward)
+    rt.compute.weight_grad = clock.trace("W", rt.compute.weight_grad)
     rt._begin_update = clock.wrap("update", rt._begin_update)
     rt.updates.apply = clock.wrap("update", rt.updates.apply)
     rt.transport.receive = clock.wrap("p2p", rt.transport.receive)

@@ -37,8 +37,8 @@ them), every group posted through ``batch_isend_irecv``, the headers through unb
 0, and no pre-posted receives. A schedule whose two ends of a pair post in different orders then trains wrong or
 hangs on the CPU as it would on GPUs, and is refused before any group is made (as on NCCL:
 ``run_checks.check_message_order``). What it cannot show: NCCL's streams (an unbatched NCCL receive blocks the ops
-queued after it on its stream, a gloo one does not) and its communicators (one per pair and per group kind, created
-lazily): ``docs/pipeline.md``, "NCCL's rules on gloo".
+queued after it on its stream, a gloo one does not) and its communicators (the headers' unbatched messages use
+another one than the batched groups, created lazily mid-run): ``docs/pipeline.md``, "NCCL's rules on gloo".
 
 Boundary values (:mod:`~lightning_async.pipeline.boundary`): an activation is a tensor or a small pytree
 of tensors; every leaf is its own message of the same group. The first activation sent after a

@@ -35,8 +35,8 @@ from torch import nn
 from lightning_async.optim.corrections import Correction, check_applicable
 from lightning_async.pipeline import schedules
 from lightning_async.pipeline.boundary import flatten, rows, signature, split_rows, unflatten
+from lightning_async.pipeline.compute import ChunkCompute
 from lightning_async.pipeline.evaluation import evaluate_batch
-from lightning_async.pipeline.fsdp import set_gradient_sync
 from lightning_async.pipeline.hooks import StepHooks
 from lightning_async.pipeline.losses import LossReduction
 from lightning_async.pipeline.mesh import PipelineGroups
@@ -47,10 +47,7 @@ from lightning_async.pipeline.schedules import FORWARD, INPUT_GRAD, WEIGHT_GRAD,
 from lightning_async.pipeline.stage import PieceModule
 from lightning_async.pipeline.updates import UpdatePipeline
 from lightning_async.pipeline.versions import WeightVersions, tensor_bytes
-from lightning_async.pipeline.weight_grad import DeferredWeightGrads, split_linear_backward
-from lightning_async.pipeline.weight_swap import WeightSwap
 
-_NO_COLLECTION = contextlib.nullcontext()  # (reusable: a whole backward collects nothing)
 
 
 class PipelineRuntime:
@@ -122,26 +119,14 @@ class PipelineRuntime:
             )
         self.module, self.optimizer, self.schedule = stage_module, optimizer, self.spec.name
         self.n_microbatches = n_microbatches
-        self.split_batch, self.loss_fn = split_batch, loss_fn
+        self.split_batch = split_batch
         self.correction = correction
-        self.autocast = autocast
-        self.context_fn = context_fn
-        self.activation_checkpointing = bool(activation_checkpointing)
         self.device = device or next(stage_module.parameters()).device
         self.fsdp = fsdp
         self.hooks = hooks or StepHooks()
         named = dict(stage_module.named_parameters())
         self.names = list(named)
         self.params = [named[n] for n in self.names]
-        index = {id(p): i for i, p in enumerate(self.params)}
-        #: per chunk: (name in the chunk, index in ``params``), every name a weight has in the chunk
-        self.chunk_weights = [[(n, index[id(p)]) for n, p in c.named_parameters(remove_duplicate=False)] for c in self.chunks]
-        #: per chunk: its forward with a version's weights in place of its parameters (not under FSDP, whose
-        #: parameters are the sharded storage it gathers from)
-        self.swaps = [WeightSwap(c, dict(w)) for c, w in zip(self.chunks, self.chunk_weights)] if not fsdp else []
-        if self.spec.split_backward:
-            for chunk in self.chunks:
-                split_linear_backward(chunk)
         stages = g.num_stages
         self.clock = self.spec.clock(stages)
         self.rank_clock = self.clock.rank(g.stage)
@@ -154,6 +139,10 @@ class PipelineRuntime:
             name=f"pipeline stage {g.stage}" + (f" (last unit {last_unit!r})" if last_unit else ""), transport=transport,
         )
         self.versions = WeightVersions(self.params, self.rank_clock, fsdp)
+        self.compute = ChunkCompute(
+            self.chunks, self.params, self.pieces, self.last_piece, self.versions, n_microbatches, loss_fn, autocast,
+            context_fn, activation_checkpointing, self.spec.split_backward, fsdp, self.hooks, self.device,
+        )
         self.shards = self._make_shards() if shard_optimizer else None
         tied = [self.names.index(n) for n in tied_parameters]
         self.updates = UpdatePipeline(
@@ -166,11 +155,8 @@ class PipelineRuntime:
         self.batches_done = 0  # training calls finished
         self.fresh = True  # pipeline empty: the next call starts with warmup
         self.batch_shape: tuple | None = None  # signature (structure, dtypes, shapes) of the last batch's inputs
-        self._inflight: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # (chunk, mb) -> (inputs, outputs)
         self._handover: dict[tuple[str, int, int], object] = {}  # (kind, chunk, mb) -> a value between two chunks of this rank
-        self._deferred: dict[tuple[int, int], DeferredWeightGrads] = {}  # (chunk, mb) -> weight gradients I left for W
         self._batch_data: dict[int, tuple[list, list]] = {}
-        self._backwards_begun: set[int] = set()  # batches whose first backward ran (for the hooks)
 
     def _make_shards(self) -> OptimizerShards:
         g = self.groups
@@ -192,62 +178,19 @@ class PipelineRuntime:
         """The newest weights."""
         return self.versions.newest()
 
-    # ---- actions --------------------------------------------------------------------------------
-    def _forward(self, chunk: int, mb: int, batch: int, x, inputs, targets, training: bool):
-        """Run chunk ``chunk`` on ``x`` (the received value, or the micro-batch ``inputs`` on the first piece)."""
-        kwargs = {"recompute": True} if training and self.activation_checkpointing else {}
-        first, last = self.pieces[chunk] == 0, self.pieces[chunk] == self.last_piece
-        with self.autocast():
-            if self.context_fn is not None:  # under autocast, as in the module's own forward
-                kwargs["context"] = self.context_fn(inputs)
-            if self.fsdp:
-                self.versions.hold_read_by(batch) if training else self.versions.hold_newest()
-                y = self.chunks[chunk](x, **kwargs)  # FSDP gathers the chunk's weights (of the version held)
-            elif training:  # autograd accumulates into the batch's version
-                with self.swaps[chunk].using(self.versions.read_by(batch)):
-                    y = self.chunks[chunk](x, **kwargs)
-            else:  # the module's parameters show the newest weights
-                y = self.chunks[chunk](x, **kwargs)
-            if last:
-                y = self.loss_fn(y, targets)
-        if training:
-            grad_inputs = [] if first else [t for t in flatten(x)[0] if t.requires_grad]
-            grad_outputs = [y] if last else [t for t in flatten(y)[0] if t.requires_grad]
-            self._inflight[chunk, mb] = (grad_inputs, grad_outputs)
-        return y
+    @property
+    def loss_fn(self) -> Callable:
+        """``(outputs, targets) -> loss`` on the last piece (predict swaps it for the outputs themselves)."""
+        return self.compute.loss_fn
 
-    def _backward(self, chunk: int, mb: int, batch: int, grads: list[torch.Tensor] | None, split: bool = False) -> list[torch.Tensor] | None:
-        """Backward of micro-batch ``mb`` of ``batch`` on ``chunk``; the gradients of its received leaves (``None`` on
-        the first piece). ``split``: the input gradient only, the linear layers' weight gradients left for
-        :meth:`_weight_grad`."""
-        inputs, outputs = self._inflight.pop((chunk, mb))
-        last = self.pieces[chunk] == self.last_piece
-        if self.hooks.active and batch not in self._backwards_begun:
-            self._backwards_begun.add(batch)
-            self.hooks.before_backward(batch, outputs[0] if last else torch.full((), float("nan"), device=self.device))
-        if self.fsdp:  # FSDP gathers again: the forward's version; reduce-scatter once per batch, at its last backward
-            self.versions.hold_read_by(batch)
-            set_gradient_sync(self.chunks[chunk], mb % self.n_microbatches == self.n_microbatches - 1)
-        deferred = DeferredWeightGrads() if split else None
-        with deferred.collecting() if split else _NO_COLLECTION:
-            if last:
-                (outputs[0] / self.n_microbatches).backward()
-            elif outputs:
-                torch.autograd.backward(outputs, grads)
-        if split:
-            self._deferred[chunk, mb] = deferred
-        if self.pieces[chunk] == 0:
-            return None
-        return [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs]
-
-    def _weight_grad(self, chunk: int, mb: int) -> None:
-        """The weight gradients the input-gradient action of ``mb`` on ``chunk`` deferred."""
-        self._deferred.pop((chunk, mb)).compute()
+    @loss_fn.setter
+    def loss_fn(self, fn: Callable) -> None:
+        self.compute.loss_fn = fn
 
     def _begin_update(self, batch: int) -> None:
         """The rank's last backward of ``batch`` is done: Lightning's ``on_after_backward``, then the update begins."""
         if self.hooks.active:
-            self._backwards_begun.discard(batch)
+            self.compute.backwards_begun.discard(batch)
             with self.hooks.gradients_shown(self.params, [t.grad for t in self.versions.gradient_holders(batch)]):
                 self.hooks.after_backward(batch)
         self.updates.begin(batch)
@@ -278,7 +221,7 @@ class PipelineRuntime:
         """Dispatch each step of the rank's lowered program (:mod:`~lightning_async.pipeline.program`) on its kind.
         ``base``: the batch the program's batch and micro-batch numbers are relative to (a cached call program,
         :class:`~lightning_async.pipeline.program.CallPrograms`; 0 for an absolute one)."""
-        t, updates, n = self.transport, self.updates, self.n_microbatches
+        t, updates, compute, n = self.transport, self.updates, self.compute, self.n_microbatches
         batch_data, mb0 = self._batch_data, base * n
         for step in program:
             kind = step.kind
@@ -291,7 +234,7 @@ class PipelineRuntime:
                 inputs, targets = batch_data[batch]
                 x = inputs[i] if step.source is None else self._input(step, "act", mb)
                 preposted = step.prepost is not None and t.prepost(*step.prepost)
-                y = self._forward(step.chunk, mb, batch, x, inputs[i], targets[i], training)
+                y = compute.forward(step.chunk, mb, batch, x, inputs[i], targets[i], training)
                 if step.target is None:
                     self.losses.record(batch, y)
                     continue
@@ -308,12 +251,12 @@ class PipelineRuntime:
                 if kind == BEGIN_UPDATE:
                     self._begin_update(batch)
                 else:
-                    self._weight_grad(step.chunk, step.microbatch + mb0)
+                    compute.weight_grad(step.chunk, step.microbatch + mb0)
             else:  # BACKWARD, INPUT_GRAD
                 mb = step.microbatch + mb0
                 grad = None if step.source is None else self._input(step, "grad", mb)
                 preposted = step.prepost is not None and t.prepost(*step.prepost)
-                dx = self._backward(step.chunk, mb, batch, grad, split=kind == INPUT_GRAD)
+                dx = compute.backward(step.chunk, mb, batch, grad, split=kind == INPUT_GRAD)
                 if step.target is None:
                     continue
                 self._output(dx, step, None if preposted else step.next_receive, mb)
@@ -344,7 +287,7 @@ class PipelineRuntime:
     @property
     def chunk_order(self) -> list[int]:
         """This rank's chunks in model order (the order a forward-only pass runs them)."""
-        return sorted(range(len(self.chunks)), key=lambda c: self.pieces[c])
+        return self.compute.chunk_order
 
     def forward_program(self, pairs: Sequence[tuple[int, int]]) -> tuple[Step, ...]:
         """The forward-only program (evaluation, predict) of ``(chunk, micro-batch)`` pairs, in that order."""
@@ -354,7 +297,7 @@ class PipelineRuntime:
         """One forward-only step at the newest weights on ``x`` (the micro-batch; received or handed over unless
         the step runs the first piece): the last piece's output, else ``None`` once the output is passed on."""
         value = x if step.source is None else self._input(step, "act", step.microbatch)
-        y = self._forward(step.chunk, step.microbatch, -1, value, x, target, training=False)
+        y = self.compute.forward(step.chunk, step.microbatch, -1, value, x, target, training=False)
         if step.target is None:
             return y
         self._output(y, step, None, step.microbatch)  # (no pre-posting: a plain forward chain)
@@ -433,7 +376,7 @@ class PipelineRuntime:
             "weight_versions": self.versions.nbytes(),
             "optimizer_state": tensor_bytes(state),
             "correction": tensor_bytes(ef),
-            "in_flight_microbatches": len(self._inflight),
+            "in_flight_microbatches": len(self.compute.inflight),
         }
 
     # ---- checkpoint -------------------------------------------------------------------------------

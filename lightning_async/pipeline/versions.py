@@ -36,7 +36,7 @@ class WeightVersions:
     @property
     def sharded_copies(self) -> bool:
         """FSDP with several versions: the versions are sharded copies beside the parameters."""
-        return self.fsdp and len(self.slots) > 1
+        return self.fsdp and self.clock.versions > 1
 
     def read_by(self, batch: int) -> list[torch.Tensor]:
         """The version batch ``batch``'s forward and backward read (without FSDP: where its gradients accumulate)."""

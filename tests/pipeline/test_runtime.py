@@ -103,13 +103,13 @@ def test_memory_report_counts_microbatches_in_flight():
     runtime = make_runtime("2bw", None, m=2)
     batches = make_batches(2)
     seen = []
-    original = runtime._backward
+    original = runtime.compute.backward
 
     def spy(chunk, mb, batch, grad, **kwargs):
         seen.append(runtime.memory_report()["in_flight_microbatches"])
         return original(chunk, mb, batch, grad, **kwargs)
 
-    runtime._backward = spy
+    runtime.compute.backward = spy
     for batch in batches:
         runtime.train_batch(batch)
     runtime.drain()
