@@ -17,6 +17,7 @@ from datetime import timedelta
 from lightning_async.optim.corrections import Correction, as_correction, check_applicable
 from lightning_async.pipeline import schedules
 from lightning_async.pipeline.mesh import PipelineMesh
+from lightning_async.pipeline.p2p import check_transport
 
 CHECKPOINT_FORMATS = ("stages", "dcp")
 
@@ -56,6 +57,7 @@ class PipelineConfig:
     fsdp: bool = False
     checkpoint_format: str = "stages"
     timeout: timedelta | None = timedelta(seconds=300)
+    transport: str = "auto"  # or "nccl-rules": NCCL's matching rules on gloo
 
     @classmethod
     def of(cls, schedule: "str | schedules.ScheduleSpec" = "2bw", virtual_stages: int | None = None,
@@ -75,6 +77,7 @@ class PipelineConfig:
         if self.checkpoint_format not in CHECKPOINT_FORMATS:
             raise ValueError(f"checkpoint_format must be 'stages' (a file per stage) or 'dcp' "
                              f"(torch.distributed.checkpoint, moves between layouts), got {self.checkpoint_format!r}.")
+        check_transport(self.transport)
         check_applicable(as_correction(self.correction), schedule=self.schedule)  # a bad name or schedule: now
 
     # ---- what follows from the world ------------------------------------------------------------
@@ -107,5 +110,5 @@ class PipelineConfig:
     def runtime_options(self, training: bool) -> dict:
         """The runtime's options this configuration sets (``training``: a fit, where the optimizer is sharded)."""
         return dict(activation_checkpointing=self.activation_checkpointing, fsdp=self.fsdp,
-                    shard_optimizer=self.shard_optimizer and training, timeout=self.timeout)
+                    shard_optimizer=self.shard_optimizer and training, timeout=self.timeout, transport=self.transport)
 

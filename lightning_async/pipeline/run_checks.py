@@ -32,13 +32,13 @@ def check_run(config, world_size: int, backend: str | None = None, device_type: 
     config.schedule.validate(pp, m)
     if config.fsdp:
         check_fsdp_applicable(config.schedule, mesh.data_parallel_size, config.shard_optimizer, config.activation_checkpointing)
-    _check_backend(config.schedule, pp, m, backend, device_type)
+    _check_backend(config.schedule, pp, m, config.transport, backend, device_type)
     if module is not None:
         _check_module(config.schedule, pp, config.partition, module)
 
 
-def _check_backend(spec, pp: int, n_microbatches: int, backend: str | None, device_type: str) -> None:
-    check_message_order(spec, pp, n_microbatches, "auto", backend, device_type)
+def _check_backend(spec, pp: int, n_microbatches: int, transport: str, backend: str | None, device_type: str) -> None:
+    check_message_order(spec, pp, n_microbatches, transport, backend, device_type)
     if backend == "nccl" and device_type != "cuda":
         raise ValueError(
             "process_group_backend='nccl' needs CUDA tensors, but this run is on the CPU. "

@@ -34,7 +34,6 @@ from lightning_async.pipeline.contract import check_pipeline_contract
 from lightning_async.pipeline.fsdp import whole
 from lightning_async.pipeline.groups import release_process_groups
 from lightning_async.pipeline.mesh import PipelineMesh
-from lightning_async.pipeline.p2p import check_transport
 from lightning_async.pipeline.metrics import LossExtras
 from lightning_async.pipeline.predict import predict_batch
 from lightning_async.pipeline.rank import RankPlan, build
@@ -126,7 +125,7 @@ class AsyncPipelineStrategy(DDPStrategy):
             schedule, virtual_stages, timeout=timeout, n_microbatches=n_microbatches,
             pipeline_parallel_size=pipeline_parallel_size, data_parallel_size=data_parallel_size, partition=partition,
             correction=correction, activation_checkpointing=activation_checkpointing, shard_optimizer=shard_optimizer,
-            fsdp=fsdp, checkpoint_format=checkpoint_format,
+            fsdp=fsdp, checkpoint_format=checkpoint_format, transport=transport,
         )
         super().__init__(process_group_backend=process_group_backend, timeout=self.config.timeout,
                          start_method=start_method, **kwargs)
@@ -138,7 +137,6 @@ class AsyncPipelineStrategy(DDPStrategy):
         self.stage_units: list[list[str]] = []
         self.checkpoints = PipelineCheckpoints(self)
         self.sigterm = SigtermStop(self.describe_rank)  # (a bound method: the strategy is pickled under spawn)
-        self.transport = check_transport(transport)
 
     # ---- settings (read from the config) ---------------------------------------------------------
     @property
@@ -156,6 +154,7 @@ class AsyncPipelineStrategy(DDPStrategy):
     shard_optimizer = _setting("shard_optimizer")
     fsdp = _setting("fsdp")
     checkpoint_format = _setting("checkpoint_format")
+    transport = _setting("transport")
 
     # ---- mesh ---------------------------------------------------------------------------------
     @property
@@ -330,7 +329,7 @@ class AsyncPipelineStrategy(DDPStrategy):
             gradient_clip_val=trainer.gradient_clip_val if fitting else None, correction=self.make_correction(trainer),
             autocast=self.precision_plugin.forward_context, device=self.root_device,
             context_fn=getattr(module, "pipeline_context", None), hooks=LightningStepHooks(self) if fitting else None,
-            **self.config.runtime_options(training=fitting), transport=self.transport,
+            **self.config.runtime_options(training=fitting),
         )
 
     def make_correction(self, trainer=None) -> Correction | None:

@@ -20,6 +20,7 @@ from lightning_async.strategies import AsyncPipelineStrategy
     (dict(timeout=-1), "timeout must be a positive number of seconds"),
     (dict(schedule="1f1b", correction="ef"), "schedule '1f1b' is synchronous"),
     (dict(schedule="1f1b", virtual_stages=2), "applies to schedule 'interleaved' only"),
+    (dict(transport="nccl"), "transport"),
 ])
 def test_bad_arguments_are_refused_when_the_config_is_built(arguments, message):
     with pytest.raises(ValueError, match=message):
@@ -46,6 +47,8 @@ def test_world_checks_run_before_any_group():
     with pytest.raises(ValueError, match="sends messages between two stages in another order"):
         PipelineConfig.of("zbv").check(2, backend="nccl", device_type="cuda")
     PipelineConfig.of("zbv").check(2)  # gloo matches by tag: fine
+    with pytest.raises(ValueError, match="transport='nccl-rules'"):  # NCCL's rules on gloo: refused before launch too
+        PipelineConfig.of("zbv", n_microbatches=4, transport="nccl-rules").check(2)
 
 
 def test_the_strategy_reads_its_config():
