@@ -1,8 +1,8 @@
-"""CI: the README's quick-start and compose commands, as written, on the README's own install (no extras).
+"""CI: the README's shell commands (quick start, compose, Hugging Face), as written, on the README's own install.
 
 Run by ``.ci/run`` after ``pip install -e .`` and before the test extras go in, so a command that needs a package
 the README's install does not bring (matplotlib for compare's plots, once) fails here instead of hiding behind
-``.[dev]``. The commands come from README.md itself (``tests/_doc_blocks.py`` reads its blocks as the docs test
+``.[dev]``; the Hugging Face block installs its own extra (``.[hf]``) as the README says. The commands come from README.md itself (``tests/_doc_blocks.py`` reads its blocks as the docs test
 does); they run in bash in a fresh working directory, shortened by the package's own rule
 (``LIGHTNING_ASYNC_MAX_STEPS``, ``LIGHTNING_ASYNC_MAX_RUNS``: lightning_async/run_limits.py). ``pip install``
 parts run from the repository (``.`` is the checkout), except the CPU-torch line: CI installs torch==2.13.0 from
@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 from _doc_blocks import read_blocks, shell_commands  # noqa: E402
 
-SECTIONS = ("## Quick start", "## Compose recipes")
+SECTIONS = ("## Quick start", "## Compose recipes", "## Bring your own model: Hugging Face")
 SHORTENED = {"LIGHTNING_ASYNC_MAX_STEPS": "5", "LIGHTNING_ASYNC_MAX_RUNS": "2", "OMP_NUM_THREADS": "1"}
 
 
