@@ -66,7 +66,7 @@ PROFILE_CATEGORIES = (
 )
 
 FUSED = "-fused"  # our runtime without pre-posted receives: the fused send/receive groups NCCL runs
-OURS = ("1f1b", "gpipe", "2bw", "2bw-split", "zbh1", "interleaved", "zbv")
+OURS = ("1f1b", "gpipe", "2bw", "2bw-split", "pipedream", "zbh1", "interleaved", "zbv")
 # torch's schedules: class name, our schedule with its pieces' layout (chunks per stage, placement), our equivalent
 TORCH = {
     "torch-1F1B": ("Schedule1F1B", "1f1b", "1f1b"),
@@ -196,13 +196,12 @@ def _run_ours(work: Workload, name: str, batches, warm: int, clock: Clock, profi
             rt.collect_loss(len(batches) - 1)
         if prof is not None:
             prof.disable()
+            _dump_profile(prof, name)
 
-    marks, start, rss = _timed_loop(batches, warm, step, finish)
-    return {"marks": marks, "start": start, "rss_kib": rss, "in_flight_peak": None,
-            "profile": None if prof is None else profile_by_category(prof)}
+    return _timed_result(batches, warm, step, finish, prof)
 
 
-def _run_torch(work: Workload, name: str, groups, batches, warm: int, clock: Clock) -> dict:
+def _run_torch(work: Workload, name: str, groups, batches, warm: int, clock: Clock, profile: bool = False) -> dict:
     import torch.distributed.pipelining as pipelining
     from torch.distributed.pipelining import PipelineStage
 
@@ -248,8 +247,32 @@ def _run_torch(work: Workload, name: str, groups, batches, warm: int, clock: Clo
         clock.t["step"] = clock.t.get("step", 0.0) + t1 - t0
         clock.t["update"] = clock.t.get("update", 0.0) + time.perf_counter() - t1
 
-    marks, start, rss = _timed_loop(batches, warm, step, lambda: None)
-    return {"marks": marks, "start": start, "rss_kib": rss, "in_flight_peak": None}
+    prof = cProfile.Profile() if profile else None
+
+    def profiled_step(b, batch):
+        if b == warm and prof is not None:
+            prof.enable()
+        step(b, batch)
+
+    def finish():
+        if prof is not None:
+            prof.disable()
+            _dump_profile(prof, name)
+
+    return _timed_result(batches, warm, profiled_step, finish, prof)
+
+
+def _timed_result(batches, warm: int, step, finish, prof: cProfile.Profile | None) -> dict:
+    """:func:`_timed_loop`'s measurements as a run's result (with its profile by category, if profiled)."""
+    marks, start, rss = _timed_loop(batches, warm, step, finish)
+    return {"marks": marks, "start": start, "rss_kib": rss, "in_flight_peak": None,
+            "profile": None if prof is None else profile_by_category(prof)}
+
+
+def _dump_profile(prof: cProfile.Profile, name: str) -> None:
+    """The whole pstats of this rank (``PIPELINE_PROFILE_DIR``), for ``python -m pstats``."""
+    if os.environ.get("PIPELINE_PROFILE_DIR"):
+        prof.dump_stats(os.path.join(os.environ["PIPELINE_PROFILE_DIR"], f"{name}-rank{dist.get_rank()}.pstats"))
 
 
 def run_config(work: Workload, warm: int, n: int, order: tuple[str, ...], rounds: int = 1, profile: bool = False) -> dict:
@@ -267,7 +290,7 @@ def run_config(work: Workload, warm: int, n: int, order: tuple[str, ...], rounds
     for _, name in _bench.interleaved(order, rounds):
         clock = Clock()
         dist.barrier()
-        res = _run_torch(work, name, groups, batches, warm, clock) if name in TORCH else _run_ours(work, name, batches, warm, clock, profile)
+        res = _run_torch(work, name, groups, batches, warm, clock, profile) if name in TORCH else _run_ours(work, name, batches, warm, clock, profile)
         clocks = [None] * p
         dist.all_gather_object(clocks, {"t": dict(clock.t), "events": clock.events, "rss_kib": res["rss_kib"],
                                         "profile": res.get("profile")})

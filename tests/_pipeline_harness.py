@@ -13,6 +13,7 @@ import torch.distributed as dist
 from lightning_async.models import SmolLM2, model_config
 from lightning_async.models.objective import next_token_loss, split_next_token
 from lightning_async.optim import DelayedOptimizer, build_correction, build_optimizer
+from lightning_async.pipeline import profiles
 from lightning_async.pipeline.boundary import split_rows
 from lightning_async.pipeline.fsdp import whole
 from lightning_async.pipeline.local import join_default_group, run_local
@@ -70,6 +71,15 @@ def make_deep_model(seed: int = 0) -> SmolLM2:
 DEEP = Workload(make_deep_model, make_batches, eval_batch)
 
 
+def make_untied_model(seed: int = 0) -> SmolLM2:
+    """The harness's model with its own output projection (schedules with per-stage delays refuse tied weights)."""
+    torch.manual_seed(seed)
+    return SmolLM2(model_config("tiny", **SHAPE, tie_embeddings=False))
+
+
+UNTIED = Workload(make_untied_model, make_batches, eval_batch)
+
+
 def schedule_hyperparameters(optimizer, step: int) -> None:
     """Alternate momentum (or beta1) and weight decay every batch (as OneCycleLR's momentum cycling or a decay
     schedule would, only harder): each delayed update must use its own batch's values, not the current ones."""
@@ -92,9 +102,12 @@ def correction_of(setting):
 
 def reference_run(
     optimizer: str, delay: int, ef, steps: int, clip: float | None, microbatches: int = 1, workload: Workload = SMOLLM2,
-    autocast: Callable = contextlib.nullcontext, optimizer_kwargs: dict | None = None,
+    autocast: Callable = contextlib.nullcontext, optimizer_kwargs: dict | None = None, profile: str | None = None,
+    stages: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Single-device run with DelayedOptimizer(pairing='2bw'); returns the newest weights by name.
+
+    ``profile`` (with ``stages``): per-unit delays of a delay profile (``"pipedream"``) instead of ``delay`` for all.
 
     ``ef``: the correction (:func:`correction_of`). ``autocast``: the forwards and losses run under it (as the
     pipeline's ``autocast`` option runs them); ``optimizer_kwargs`` go to ``build_optimizer`` (e.g. ``fused=True``).
@@ -108,7 +121,12 @@ def reference_run(
     opt = build_optimizer(optimizer, named, lr=LRS[optimizer], weight_decay=0.1,
                           **{**KWARGS.get(optimizer, {}), **(optimizer_kwargs or {})})
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
-    wrapped = DelayedOptimizer(opt, delay=delay, pairing="2bw", correction=correction_of(ef) if delay else None)
+    by_parameter = None
+    if profile is not None:
+        units = list(model.pipeline_units())
+        by_parameter = profiles.parameter_delays(units, profiles.unit_delays(units, profile, stages, delay))
+    wrapped = DelayedOptimizer(opt, delay=delay, pairing="2bw", correction=correction_of(ef) if delay or profile else None,
+                               parameter_delays=by_parameter)
     schedule_hyperparameters(opt, 0)
     for step, batch in enumerate(w.make_batches(steps)):
         for chunk in split_rows(batch, microbatches):
@@ -189,10 +207,10 @@ def pipeline_run(
         if b in drain_at:
             with torch.inference_mode():
                 runtime.eval_batch(batch)
-        lag = runtime.spec.loss_lag
+        lag = runtime.clock.loss_lag
         losses.append(runtime.collect_loss(b - lag) if b >= lag else None)
     runtime.drain()
-    losses.append(runtime.collect_loss(steps - 1) if runtime.spec.loss_lag else None)
+    losses.append(runtime.collect_loss(steps - 1) if runtime.clock.loss_lag else None)
     by_param = {id(p): n for n, p in stage.named_parameters}
     weights = {by_param[id(p)]: whole(p) for p in runtime.params}
     weights["eval_loss"] = runtime.eval_batch(w.eval_batch())

@@ -3,7 +3,8 @@
 ``DelaySimulation(delay=1)`` wraps the module's optimizer in
 :class:`~lightning_async.optim.DelayedOptimizer` with the exact 2BW pairing, so a single device follows
 the same update rule, step for step, as the multi-process ``async_pipe`` strategy; ``profile=`` gives
-units delays of their own (the original PipeDream's ``p - 1 - s``).
+units delays of their own (the original PipeDream's ``p - 1 - s``); ``profile="paci"`` runs PACI's micro-batch rule
+as the module's training step instead (:mod:`lightning_async.callbacks.paci_step`).
 ``DelayCorrection(method, strength)`` (and ``ErrorFeedback(strength)``, its ``method="ef"``) switches a
 correction of :mod:`lightning_async.optim.corrections` on for whichever delay source the run has: this
 callback's wrapper, or the pipeline strategy. Both paths apply it through the same code.
@@ -19,6 +20,8 @@ from lightning_async import compat
 from lightning_async.optim.corrections import NO_CORRECTION, as_correction, build_correction, check_applicable
 from lightning_async.optim.delay import DelayedOptimizer, check_delay
 from lightning_async.pipeline import profiles
+from lightning_async.callbacks import paci_step  # profile "paci" (PACI's rule)
+from lightning_async.optim import paci
 
 
 def two_corrections(names: str) -> ValueError:
@@ -104,6 +107,12 @@ def check_delay_profiles(trainer: Trainer, pl_module: LightningModule) -> None:
     for callback in trainer.callbacks:
         if isinstance(callback, DelaySimulation):
             callback.check_profile(pl_module)
+            if callback.paci and callback.active:  # profile "paci": what its rule does not cover
+                paci_step.refuse_unsupported(trainer, _active_corrections(trainer))
+
+
+def _active_corrections(trainer: Trainer) -> list:
+    return [cb for cb in trainer.callbacks if isinstance(cb, DelayCorrection) and cb.active]
 
 
 def _restricted(delays: dict, optimizer) -> dict:
@@ -127,6 +136,8 @@ class DelaySimulation(Callback):
         stages: how many stages the profile splits the units into (as the pipeline's ``partition`` would).
         partition: how units are split into stages (``"uniform"``, ``"parameters"`` or the unit names where
             stages 1.. begin).
+        n_microbatches: micro-batches per batch for ``profile="paci"`` (PACI's rule, docs/delay.md "PACI"; at least
+            ``stages - 1``; ``None``: twice the stages, the pipeline's default). Only that profile takes it.
     """
 
     def __init__(
@@ -137,6 +148,7 @@ class DelaySimulation(Callback):
         profile: str | list[int] | dict[str, int] | None = None,
         stages: int | None = None,
         partition: str | list[str] = "uniform",
+        n_microbatches: int | None = None,
     ) -> None:
         check_delay(delay)
         if not 0.0 <= start_fraction < 1.0:
@@ -150,6 +162,16 @@ class DelaySimulation(Callback):
                 check_delay(k, "a unit's delay")
         self.delay, self.pairing, self.start_fraction = delay, pairing, start_fraction
         self.profile, self.stages, self.partition = profile, stages, partition
+        # ---- profile "paci": PACI's rule replaces the training step, not the optimizer (callbacks/paci_step.py)
+        self.n_microbatches = n_microbatches
+        if self.paci:
+            paci.check_paci(stages, n_microbatches)
+        elif n_microbatches is not None:
+            raise ValueError(f"n_microbatches is the 'paci' profile's setting; the delay profile "
+                             f"{profiles.describe(profile, stages, delay)} stashes whole batches. "
+                             "Remove n_microbatches.")
+        self._paci: paci.PaciRule | None = None
+        # ---- end of profile "paci"
         self._start_step = 0
         self._parameter_delays: dict = {}
         self.correction_settings: dict | None = None  # set by a DelayCorrection callback
@@ -168,6 +190,11 @@ class DelaySimulation(Callback):
     def active(self) -> bool:
         return self.max_delay > 0
 
+    @property
+    def paci(self) -> bool:
+        """Whether the profile is PACI's micro-batch rule (run as the training step, no delayed optimizer)."""
+        return self.profile == paci.PROFILE
+
     def profile_label(self) -> str:
         return profiles.describe(self.profile, self.stages, self.delay)
 
@@ -183,6 +210,11 @@ class DelaySimulation(Callback):
             if trainer.max_steps is None or trainer.max_steps < 0:
                 raise ValueError("DelaySimulation(start_fraction=...) needs trainer.max_steps to place the switch.")
             self._start_step = int(round(self.start_fraction * trainer.max_steps))
+        if self.paci:  # ---- profile "paci"
+            paci_step.refuse_unsupported(trainer, _active_corrections(trainer))
+            self._paci = paci_step.build_rule(pl_module, self.stages, self.n_microbatches, self.partition)
+            paci_step.install(pl_module, trainer, self._paci, self._start_step)
+            return
         self._parameter_delays = self._profile_delays(pl_module)
         self.optimizers = []
         original = pl_module.configure_optimizers
@@ -205,6 +237,9 @@ class DelaySimulation(Callback):
     def _profile_delays(self, pl_module: LightningModule) -> dict:
         if self.profile is None:
             return {}
+        if self.paci:  # checks the module and its units; no per-parameter delays
+            paci_step.build_rule(pl_module, self.stages, self.n_microbatches, self.partition)
+            return {}
         if not callable(getattr(pl_module, "pipeline_units", None)):
             raise ValueError(
                 f"DelaySimulation(profile=...) maps delays onto pipeline units, but {type(pl_module).__name__} has no "
@@ -218,6 +253,7 @@ class DelaySimulation(Callback):
         """Undo the wrapping, so a later fit of the same module starts from its own optimizer."""
         if "configure_optimizers" in vars(pl_module):
             del pl_module.configure_optimizers
+        paci_step.uninstall(pl_module)
 
     def _wrap(self, optimizer) -> DelayedOptimizer:
         settings = dict(self.correction_settings or {"method": NO_CORRECTION})
@@ -256,12 +292,18 @@ class DelaySimulation(Callback):
             self._shown = None
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        if self._paci is not None:  # the previous version the next batch's early forwards read
+            checkpoint["paci"] = self._paci.state_dict()
         if not self.optimizers:
             return
         shown = self._show_newest()
         newest_state = pl_module.state_dict()
         self._restore(shown)
         checkpoint["state_dict"] = newest_state
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        if self._paci is not None and "paci" in checkpoint:
+            self._paci.load_state_dict(checkpoint["paci"])
 
     def on_fit_end(self, trainer, pl_module) -> None:
         self._show_newest()  # after fit the module holds the newest weights

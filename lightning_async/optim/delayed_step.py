@@ -52,7 +52,7 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 def _shard(t: torch.Tensor) -> torch.Tensor:
     """This process's shard of an FSDP-sharded ``DTensor`` (``t`` itself otherwise): what the copies read and write.
-    (A plain tensor is recognised by its exact type first: this runs four times per tensor and update.)"""
+    (A plain tensor is recognised by its exact type first: this runs twice per tensor and update.)"""
     if type(t) in _PLAIN:
         return t
     return t.to_local() if hasattr(t, "to_local") else t
@@ -89,15 +89,21 @@ def delayed_step(
     if updated is not None:
         grads = [g if own else None for g, own in zip(grads, updated)]
     mine = repeat(True) if updated is None else updated
-    delayed = [(p, src, dst) for p, src, dst, own in zip(params, newest, out, mine)
-               if own and dst is not src and _shard(dst).data_ptr() != _shard(src).data_ptr()]
+    delayed, copy_to, copy_from = [], [], []  # (parameter, newest, out) where out is other storage; their shards
+    for p, src, dst, own in zip(params, newest, out, mine):
+        if own and dst is not src:
+            dst_shard, src_shard = _shard(dst), _shard(src)
+            if dst_shard.data_ptr() != src_shard.data_ptr():
+                delayed.append((p, src, dst))
+                copy_to.append(dst_shard)
+                copy_from.append(src_shard)
     if active and correction.level == GRADIENT:
         correction.compensate_(
             optimizer, {p: g for p, g in zip(params, grads) if g is not None},
             newest={p: src for p, src, _ in delayed}, stale={p: dst for p, _, dst in delayed},
         )
     if delayed:
-        torch._foreach_copy_([_shard(dst) for _, _, dst in delayed], [_shard(src) for _, src, _ in delayed])
+        torch._foreach_copy_(copy_to, copy_from)
     for p, g, dst in zip(params, grads, out):
         if dst is not p:  # (an FSDP-sharded parameter is its own storage)
             p.data = dst

@@ -67,12 +67,20 @@ class UpdateClock:
         """Some piece's updates are stale (staleness corrections apply)."""
         return self.max_delay > 0
 
-    def reported_loss(self, step: int) -> int | None:
-        """The batch whose loss the training step of batch ``step`` reports without waiting (``None``: none yet).
+    @property
+    def loss_lag(self) -> int:
+        """How many steps back a training step's reported loss is: the largest delay.
 
-        Under 2BW the last stage finishes batch ``b`` while the first stage already runs ``b + 1``, so step ``b``
-        reports batch ``b - 1``'s loss; waiting for batch ``b`` would re-create the bubble."""
-        batch = step - self.schedule.loss_lag
+        A piece of delay ``d`` runs the last backwards of batch ``b`` at the latest in call ``b + d`` (its update
+        lands before call ``b + d + 1``), and a batch's loss exists before its first backward, so by the end of call
+        ``b + d`` every rank can have it without waiting. Under 2BW the last stage finishes batch ``b`` while the
+        first stage already runs ``b + 1``: step ``b`` reports batch ``b - 1``'s loss (waiting for batch ``b``
+        would re-create the bubble); under ``pipedream`` with one micro-batch per batch, batch ``b - p + 1``'s."""
+        return self.max_delay
+
+    def reported_loss(self, step: int) -> int | None:
+        """The batch whose loss the training step of batch ``step`` reports without waiting (``None``: none yet)."""
+        batch = step - self.loss_lag
         return batch if batch >= 0 else None
 
     @cached_property

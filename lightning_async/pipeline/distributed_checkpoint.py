@@ -7,7 +7,8 @@ Every rank saves, in parallel, one flat dict of what it holds (DCP writes each k
 it, and one file per rank):
 
 ``model/<name>``                 the newest weights (the module's state dict, global names)
-``version/<name>``               the older of 2BW's two weight versions
+``version/<name>``               the weight version one update behind the newest (2BW's older one)
+``version<a>/<name>``            the version ``a >= 2`` updates behind (a stage ``a`` or more steps stale: PipeDream)
 ``optimizer/<name>/<key>``       the optimizer's state of parameter ``<name>`` (every name a tied weight has)
 ``optimizer_group/<name>``       the hyperparameters of that parameter's group (lr, betas, weight decay, ...)
 ``correction/<buffer>/<name>``   a correction's per-parameter buffers (EF's previous update, ...)
@@ -58,6 +59,20 @@ def parameter_names(module: torch.nn.Module) -> dict[int, list[str]]:
     return names
 
 
+def slot_age(slot: int, batches_done: int, versions: int) -> int:
+    """How many updates the version in ``slot`` lacks against the newest, in a drained pipeline after
+    ``batches_done`` batches (the ring of :class:`~lightning_async.optim.clock.PieceClock`: slot ``b % versions``
+    holds ``V(b)``, and the next batches ``batches_done .. batches_done + versions - 1`` read them in turn, the last
+    one the newest)."""
+    first = batches_done + (slot - batches_done) % versions  # the batch that reads this slot next
+    return batches_done + versions - 1 - first
+
+
+def version_prefix(age: int) -> str:
+    """The key prefix of the version ``age >= 1`` updates behind the newest (``version/``: one, as 2BW saves it)."""
+    return VERSION if age == 1 else f"version{age}/"
+
+
 def _optimizer_order(optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
@@ -81,7 +96,8 @@ def rank_state(checkpoint: dict, optimizer, params: Sequence[torch.Tensor], name
         newest = runtime["newest_slot"]
         for s, slot in enumerate(runtime["slots"]):
             if s != newest:
-                flat.update({VERSION + name: t for p, t in zip(params, slot) for name in names[id(p)]})
+                prefix = version_prefix(slot_age(s, runtime["batches_done"], len(runtime["slots"])))
+                flat.update({prefix + name: t for p, t in zip(params, slot) for name in names[id(p)]})
         settings = {}
         for key, value in (runtime.get("correction") or {}).items():
             if isinstance(value, list):
@@ -197,8 +213,9 @@ class RankRequest:
         self.optimizer_keys: dict[int, tuple[str, list[str]]] = {}  # parameter index -> (saved name, its state keys)
         for i, p in enumerate(self.params):
             aliases = names[id(p)]
-            if versions > 1 and (alias := _first_saved(VERSION, aliases, keys)) is not None:
-                self.flat[VERSION + alias] = _empty_like(p)
+            for age in range(1, versions):
+                if (alias := _first_saved(version_prefix(age), aliases, keys)) is not None:
+                    self.flat[version_prefix(age) + alias] = _empty_like(p)
             if alias := _first_saved(GROUP, aliases, keys):
                 self.flat[GROUP + alias] = None
             if not self.owned[i]:
@@ -253,13 +270,16 @@ class RankRequest:
         return {"state": state, "param_groups": groups}
 
     def _runtime_state(self, saved: dict) -> dict:
-        newest = [self._of(MODEL, p) for p in self.params]
-        slots, newest_slot = [newest], 0
-        if self.versions > 1:
-            older = [self._of(VERSION, p) for p in self.params]
-            older = [o if o is not None else n for o, n in zip(older, newest)]  # (a flushing run saved one version)
-            newest_slot = saved["newest_slot"] if saved["versions"] == self.versions else 0
-            slots = [newest, older] if newest_slot == 0 else [older, newest]
+        """The slots in this rank's ring: the version ``a`` updates behind the newest where the next batches read it.
+        A version the saving layout did not keep (it was less stale there) is the stalest one it kept (a flushing
+        run's: the newest)."""
+        batches, n = saved["batches_done"], self.versions
+        by_age = [[self._of(MODEL, p) for p in self.params]]
+        for age in range(1, n):
+            kept = [self._of(version_prefix(age), p) for p in self.params]
+            by_age.append([k if k is not None else older for k, older in zip(kept, by_age[-1])])
+        slots = [by_age[slot_age(slot, batches, n)] for slot in range(n)]
+        newest_slot = next(slot for slot in range(n) if slot_age(slot, batches, n) == 0)
         buffers = {key[len(CORRECTION):].split("/", 1)[0] for key in self.flat if key.startswith(CORRECTION)}
         correction = dict(saved["correction"])
         correction.update({b: [self._of(f"{CORRECTION}{b}/", p) for p in self.params] for b in buffers})

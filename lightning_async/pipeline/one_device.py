@@ -36,6 +36,7 @@ import torch
 from lightning_async.optim.clock import PieceClock
 from lightning_async.pipeline import checkpoint as layout
 from lightning_async.pipeline import distributed_checkpoint as distributed
+from lightning_async.pipeline import schedules
 
 DELAYED_SCHEDULE = "2bw"  # the pipeline schedule DelaySimulation(delay=1, pairing="2bw") simulates
 _RUNTIME_KEYS = ("pipeline_runtime", "pipeline")  # a pipeline's own entries, not a one-device checkpoint's
@@ -105,6 +106,12 @@ def to_one_device(directory: str | os.PathLike, out: str | os.PathLike, module: 
     runtime = checkpoint.pop("pipeline_runtime")
     checkpoint.pop("pipeline", None)
     inner = checkpoint["optimizer_states"][0]
+    if runtime["schedule"] != DELAYED_SCHEDULE and schedules.spec(runtime["schedule"]).delayed:
+        raise ValueError(
+            f"{path} was saved by schedule {runtime['schedule']!r}, whose stages keep their own numbers of weight "
+            f"versions; only {DELAYED_SCHEDULE!r} and the synchronous schedules convert to one device. Resume it on a "
+            f"pipeline with schedule={runtime['schedule']!r}."
+        )
     if runtime["schedule"] == DELAYED_SCHEDULE:
         newest = runtime["slots"][runtime["newest_slot"]]
         older = runtime["slots"][1 - runtime["newest_slot"]]

@@ -8,7 +8,9 @@ Channels: a rank may hold several pieces of the model (virtual stages: the inter
 a message is addressed to a piece and a kind (an activation from the piece before, a gradient from the piece
 after). On gloo each channel has its own tag and messages of different channels between two ranks may be
 posted in any order; NCCL has no tags, so a schedule runs there only if every pair of ranks posts its
-messages in matching order (``program.message_order_mismatches``; ZB-V does not, and is refused on NCCL).
+messages in matching order. The lowering sees to that (``program.order_sends``: a send the receiver consumes after
+one computed later is held back and released after it, :meth:`StageTransport.exchange`'s ``order``), and
+``program.message_order_mismatches`` checks it before launch.
 
 Ordering rule (NCCL-safe): a send that is followed by a receive is posted in one ``batch_isend_irecv`` group
 (forward-send with backward-receive and vice versa, as Megatron does), so both sides always post in matching
@@ -34,10 +36,11 @@ above: an unmatched receive posted early on both sides of a pair could block eac
 NCCL's rules on gloo (``transport="nccl-rules"``): the transport takes the path it takes on NCCL while the
 messages travel over gloo: tag 0 on every message (so two ranks' messages match in posting order, as NCCL matches
 them), every group posted through ``batch_isend_irecv``, the headers through unbatched ``isend``/``irecv`` with tag
-0, and no pre-posted receives. A schedule whose two ends of a pair post in different orders then trains wrong or
-hangs on the CPU as it would on GPUs, and is refused before any group is made (as on NCCL:
-``run_checks.check_message_order``). What it cannot show: NCCL's streams (an unbatched NCCL receive blocks the ops
-queued after it on its stream, a gloo one does not) and its communicators (the headers' unbatched messages use
+0, and no pre-posted receives; sends held back for the receiver's order (``program.order_sends``, ZB-V) wait in
+:attr:`StageTransport._held` as on NCCL. Programs whose two ends of a pair post in different orders would train wrong
+or hang on the CPU as on GPUs; they are refused before any group is made (as on NCCL:
+``run_checks.check_message_order``), and no built-in schedule's are. What it cannot show: NCCL's streams (an
+unbatched NCCL receive blocks the ops queued after it on its stream, a gloo one does not) and its communicators (the headers' unbatched messages use
 another one than the batched groups, created lazily mid-run): ``docs/pipeline.md``, "NCCL's rules on gloo".
 
 Boundary values (:mod:`~lightning_async.pipeline.boundary`): an activation is a tensor or a small pytree
@@ -120,9 +123,10 @@ class StageTransport:
     ``"grad"`` from the piece after). ``rank_of_piece(k)`` is the global rank holding piece ``k``; hand-overs
     between two pieces of the same rank never reach the transport. On gloo every channel has its own tag, so a
     schedule may interleave channels between two ranks in any order (ZB-V does); NCCL ignores tags and matches
-    messages between two ranks in posting order (``program.message_order_mismatches`` says which schedules keep
-    that order). ``name`` describes this rank in error messages. ``transport``: ``"auto"`` (the backend's rules)
-    or ``"nccl-rules"`` (NCCL's path on gloo too: tag 0, ``batch_isend_irecv`` groups, no pre-posting).
+    messages between two ranks in posting order, so on NCCL's path the sends follow the lowering's ``send_order``
+    (held back and released in the receiver's order: ``program.order_sends``). ``name`` describes this rank in
+    error messages. ``transport``: ``"auto"`` (the backend's rules) or ``"nccl-rules"`` (NCCL's path on gloo too: tag
+    0, ``batch_isend_irecv`` groups, no pre-posting).
     """
 
     def __init__(
@@ -146,6 +150,7 @@ class StageTransport:
         self._pending_sends: list[tuple[list, list[torch.Tensor], int, int]] = []  # (works, buffers kept alive, peer, call)
         self.calls = 0  # training calls begun since this transport was made (each send is tagged with its call)
         self._inbox: tuple[str, int, list | None, list[torch.Tensor], int] | None = None  # (kind, piece, works, buffers, peer)
+        self._held: dict[int, list] = {}  # peer -> sends held back for it (NCCL's path), in the order it consumes them
 
     @property
     def prepost_enabled(self) -> bool:
@@ -170,6 +175,9 @@ class StageTransport:
         """Wait until every posted send has been received (and no receive is left outstanding)."""
         if self._inbox is not None:
             raise RuntimeError(f"a received {self._inbox[0]!r} was never consumed; the schedule and transport disagree")
+        if any(self._held.values()):
+            raise RuntimeError("a send held back for the receiver's order was never released; the schedule and "
+                               "transport disagree")
         pending, self._pending_sends = self._pending_sends, []
         for works, _, peer, _ in pending:
             self._wait(works, peer)
@@ -181,8 +189,10 @@ class StageTransport:
         self.sent_spec.clear()
 
     def abandon(self) -> None:
-        """Forget a received or pre-posted message after a failed call (the pipeline will not continue)."""
+        """Forget a received or pre-posted message and held sends after a failed call (the pipeline will not
+        continue)."""
         self._inbox = None
+        self._held.clear()
 
     def _peer(self, piece: int) -> int:
         """``rank_of_piece(piece)``, remembered (the placement does not change)."""
@@ -272,7 +282,7 @@ class StageTransport:
         return [x.detach().contiguous() for x in leaves]
 
     # -- API ------------------------------------------------------------------------------------
-    def exchange(self, send=None, recv: tuple[str, int] | None = None) -> None:
+    def exchange(self, send=None, recv: tuple[str, int] | None = None, order: tuple[str, int] | None = None) -> None:
         """Send ``send`` and/or receive ``recv`` in one group.
 
         ``send`` is ``(value, kind, piece)``: an ``"act"`` (a boundary value, ``piece``'s output, to the piece after)
@@ -281,8 +291,15 @@ class StageTransport:
         handed out by the next :meth:`receive` of its channel. A receive whose channel still owes its header is
         left to :meth:`receive` (after the send is posted: waiting for a header first could wait for a peer that
         waits for this very send).
+
+        ``order`` (the step's ``send_order``, :func:`~lightning_async.pipeline.program.order_sends`), on NCCL's path
+        only (gloo's tags match any order, so there it sends at once): ``("hold", k)`` keeps ``send`` back at place
+        ``k`` of the peer's held sends; ``("release", n)`` sends it, then the first ``n`` held ones, each in its own
+        group after its header, ``recv`` with the last.
         """
         self._reap()
+        if order is not None and send is not None and not self._gloo:
+            send = self._ordered(send, order)
         if recv is not None and (self._inbox is not None or (send is not None and not self._shape_known(*recv))):
             recv = None  # one receive outstanding at a time (it is consumed first); a header-owing one waits
         ops, sent, send_peer = [], [], None
@@ -308,6 +325,20 @@ class StageTransport:
             self._pending_sends.append((send_works, sent, send_peer, self.calls))
         if recv is not None and out:
             self._wait(recv_works, recv_peer)
+
+    def _ordered(self, send, order: tuple[str, int]):
+        """Hold ``send`` back (None) or post it and the held sends ``order`` releases but the last (returned)."""
+        _, kind, piece = send
+        queue = self._held.setdefault(self._peer(piece + 1 if kind == "act" else piece - 1), [])
+        how, n = order
+        if how == "hold":
+            queue.insert(n, send)
+            return None
+        released = [send, *queue[:n]]
+        del queue[:n]
+        for each in released[:-1]:
+            self.exchange(each)
+        return released[-1]
 
     def _post(self, ops: list) -> list:
         """Post ``ops`` as one group: ``batch_isend_irecv`` on NCCL (the fused, matching-order groups); on gloo, which

@@ -11,9 +11,17 @@ half (G0) and piece ``p + s`` of the second (G1). G0 is one step stale as under 
 weights but reads G0's older output: ``g(t) = grad f_t(A(t - 1), B(t))``. On one device that is exactly the first
 half of the units one step stale and the second half current, which the ``"wpipe"`` profile gives.
 
+PACI (Elam et al. 2026, 1F1B without a flush and without weight stashing) is not a per-unit delay: which version a
+stage's forward reads depends on the micro-batch (the first ``p - 1 - s`` of a batch read the previous version on stage
+``s``, the rest the current one) and every backward reads the current version. ``"paci"`` is named here (its per-stage
+delays are the most steps a stage's forwards are stale: 1 for stages ``0 .. p - 2``, 0 for the last), but
+:func:`unit_delays` refuses it: :class:`~lightning_async.callbacks.DelaySimulation` runs
+:class:`~lightning_async.optim.paci.PaciRule` for it instead of a delayed optimizer.
+
 Profiles: ``"uniform"`` (every unit ``delay``), ``"2bw"`` (every unit 1), ``"pipedream"`` (``p - 1 - s``,
-needs ``stages``), ``"wpipe"`` (the ``2 * stages`` pieces' first half 1, second half 0), a list of per-stage delays (its length is the number of stages), or a mapping from unit
-names to delays (units not named get ``delay``). A weight shared by several units (tied embeddings) takes the
+needs ``stages``), ``"wpipe"`` (the ``2 * stages`` pieces' first half 1, second half 0), ``"paci"`` (needs
+``stages``; a micro-batch rule, above), a list of per-stage delays (its length is the number of stages), or a mapping
+from unit names to delays (units not named get ``delay``). A weight shared by several units (tied embeddings) takes the
 delay of the first unit that holds it (the embedding: the stalest).
 """
 
@@ -26,11 +34,14 @@ from torch import nn
 
 from lightning_async.pipeline.partition import partition_units
 
-NAMED_PROFILES = ("uniform", "2bw", "pipedream", "wpipe")
+NAMED_PROFILES = ("uniform", "2bw", "pipedream", "wpipe", "paci")
+#: profiles whose rule depends on the micro-batch, not a delay per unit (run by ``DelaySimulation`` itself)
+MICROBATCH_PROFILES = ("paci",)
 #: the profiles that need the number of stages, and what each gives per piece
 _STAGED = {
     "pipedream": lambda stages: [stages - 1 - s for s in range(stages)],
     "wpipe": lambda stages: [1] * stages + [0] * stages,  # G0's pieces, then G1's
+    "paci": lambda stages: [1] * (stages - 1) + [0],  # the most steps a stage's forwards are stale
 }
 
 Profile = str | Sequence[int] | Mapping[str, int] | None
@@ -59,6 +70,9 @@ def unit_delays(units: Sequence[tuple[str, nn.Module]], profile: Profile, stages
                 partition: str | Sequence[str] = "uniform") -> dict[str, int]:
     """Each unit's delay under ``profile`` (units split into stages like the pipeline's ``partition``)."""
     names = [name for name, _ in units]
+    if isinstance(profile, str) and profile in MICROBATCH_PROFILES:
+        raise ValueError(f"The {profile!r} profile is a rule per micro-batch, not a delay per unit: run it with "
+                         f"DelaySimulation(profile={profile!r}, stages=...) (lightning_async.optim.paci).")
     if isinstance(profile, Mapping):
         unknown = sorted(set(profile) - set(names))
         if unknown:

@@ -102,6 +102,8 @@ def plan_rank(
             f"{len(stage_units)}. Give one list of unit names per piece (or leave stage_units unset to partition)."
         )
     split = [list(names) for names in stage_units]
+    if not spec.uniform_delay:
+        _refuse_weights_shared_across_delays(spec, units, split, mesh.pipeline_parallel_size)
     rank_stage = build_rank_stage(units, mesh.stage_of(rank), split, schedule=spec)
     if tied is not None:
         rank_stage.tied = list(tied)
@@ -129,6 +131,13 @@ def build(
     ``plan.named_parameters``.
     """
     _check_optimizer_holds_the_rank(optimizer, plan)
+    if not plan.spec.uniform_delay and runtime_options.get("gradient_clip_val"):
+        raise ValueError(
+            f"Gradient clipping by the global norm needs every stage's gradient of a batch when the first stage "
+            f"updates, but schedule {plan.spec.name!r} gives its stages different delays (the last stage updates with "
+            "batch b's gradient before the first stage has computed its own). Turn clipping off "
+            "(gradient_clip_val=None) or use schedule='2bw', whose stages share one delay."
+        )
     mesh = plan.mesh
     check_message_order(plan.spec, mesh.pipeline_parallel_size, plan.n_microbatches, runtime_options.get("transport", "auto"))
     if fsdp:
@@ -148,6 +157,28 @@ def build(
         tied_parameters=plan.tied, count_tied_in_norm=groups.stage == 0, fsdp=fsdp, **runtime_options,
     )
     return Rank(plan, groups, runtime)
+
+
+def _refuse_weights_shared_across_delays(spec, units: Sequence[tuple[str, nn.Module]], split: list[list[str]],
+                                        num_stages: int) -> None:
+    """A weight two pieces share (tied embeddings) is summed over both; pieces of different delays compute their
+    gradients of a batch in different calls, so a schedule with per-piece delays cannot sum them."""
+    delays = spec.piece_delays(num_stages)
+    modules = dict(units)
+    holders: dict[int, set[int]] = {}
+    for piece, names in enumerate(split):
+        for name in names:
+            for p in modules[name].parameters():
+                holders.setdefault(id(p), set()).add(piece)
+    for pieces in holders.values():
+        if len({delays[k] for k in pieces}) > 1:
+            raise ValueError(
+                f"Schedule {spec.name!r} gives pieces {sorted(pieces)} different delays "
+                f"({[delays[k] for k in sorted(pieces)]}), but they share a weight (tied embeddings?), whose gradient "
+                "must be summed over both in the same step. Untie it (e.g. tie_embeddings=False in the model config; CLI: "
+                "model.model_overrides: {tie_embeddings: false}) "
+                "or use schedule='2bw'."
+            )
 
 
 def _check_optimizer_holds_the_rank(optimizer, plan: RankPlan) -> None:

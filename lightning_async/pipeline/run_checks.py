@@ -3,8 +3,8 @@
 Everything here needs no communication: the mesh tiles the world, the schedule takes the stages and
 micro-batches, FSDP and the sharded optimizer have replicas to shard over, the backend fits the device and
 (on NCCL, which matches messages by posting order, and under ``transport="nccl-rules"``, which keeps that rule
-on gloo: :func:`check_message_order`) the schedule posts its messages in matching order, and the module has enough
-units for the schedule's pieces. Each error names the fix.
+on gloo: :func:`check_message_order`) the lowered programs post their messages in matching order and finish, and the
+module has enough units for the schedule's pieces. Each error names the fix.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from lightning_async.pipeline.contract import check_pipeline_contract
 from lightning_async.pipeline.fsdp import check_fsdp_applicable
 from lightning_async.pipeline.p2p import check_transport
 from lightning_async.pipeline.partition import partition_units
-from lightning_async.pipeline.program import message_order_mismatches
+from lightning_async.pipeline.program import lower_all, message_order_mismatches, stuck
 
 
 def check_run(config, world_size: int, backend: str | None = None, device_type: str = "cpu", module=None) -> None:
@@ -53,22 +53,33 @@ def _check_backend(spec, pp: int, n_microbatches: int, transport: str, backend: 
 
 def check_message_order(
     spec, stages: int, n_microbatches: int, transport: str = "auto", backend: str | None = None, device_type: str = "cpu",
+    lists=None,
 ) -> None:
-    """Refuse a schedule whose two ends of a pair post that pair's messages in different orders where messages are
-    matched in posting order: on NCCL (no tags) and under ``transport="nccl-rules"`` (tag 0 on gloo). Needs no
-    communication (the schedule's action lists), so every rank raises alike, before any group is made."""
+    """Refuse a schedule whose lowered programs (sends ordered for NCCL by ``program.order_sends``) post a pair's
+    messages in different orders at its two ends, or wait on each other, where messages are matched in posting
+    order: on NCCL (no tags) and under ``transport="nccl-rules"`` (tag 0 on gloo). Every built-in schedule passes
+    (ZB-V since its sends are ordered); what is left to refuse is an action list no order of sends can match (a
+    message one end never posts) or one whose ranks would wait on each other. Needs no communication (the
+    schedule's action lists; ``lists``: others, for tests), so every rank raises alike, before any group is made."""
     nccl = backend == "nccl" or device_type == "cuda"
     if stages < 2 or not (nccl or check_transport(transport) == "nccl-rules"):
         return
-    lists = [spec.run_actions(r, stages, n_microbatches, 1) for r in range(stages)]
+    if lists is None:
+        lists = [spec.run_actions(r, stages, n_microbatches, 1) for r in range(stages)]
+    where = "NCCL (no tags)" if nccl else "transport='nccl-rules' (tag 0 everywhere, as on NCCL)"
+    fix = ("Use a built-in schedule (every one is ordered for NCCL), or run it on CPUs (gloo)" if nccl else
+           "Use a built-in schedule (every one is ordered for NCCL), or transport='auto' on gloo (its tags match any order)")
     mismatches = message_order_mismatches(spec, lists, per_channel=False)
     if mismatches:
-        where = "NCCL (no tags)" if nccl else "transport='nccl-rules' (tag 0 everywhere, as on NCCL)"
-        fix = ("Use schedule='zbh1' or 'interleaved' on GPUs, or run it on CPUs (gloo)" if nccl else
-               "Use schedule='zbh1' or 'interleaved' under it, or transport='auto' on gloo (its tags match any order)")
         raise ValueError(
             f"Schedule {spec.name!r} sends messages between two stages in another order than the receiver "
             f"posts them, which {where} cannot match. {fix}. The first pair that disagrees:\n" + mismatches[0]
+        )
+    waits = stuck(spec, lower_all(spec, lists))
+    if waits:
+        raise ValueError(
+            f"Schedule {spec.name!r} posts its messages in matching order, but its stages would wait on each other "
+            f"under {where}: {waits}. {fix}."
         )
 
 

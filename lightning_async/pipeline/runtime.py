@@ -43,7 +43,7 @@ from lightning_async.pipeline.mesh import PipelineGroups
 from lightning_async.pipeline.p2p import StageTransport
 from lightning_async.pipeline.program import APPLY_UPDATE, BEGIN_UPDATE, START_REDUCTIONS, CallPrograms, Step, lower
 from lightning_async.pipeline.sharding import OptimizerShards
-from lightning_async.pipeline.schedules import FORWARD, INPUT_GRAD, WEIGHT_GRAD, ScheduleSpec
+from lightning_async.pipeline.schedules import FORWARD, INPUT_GRAD, UPDATE, WEIGHT_GRAD, ScheduleSpec
 from lightning_async.pipeline.stage import PieceModule
 from lightning_async.pipeline.updates import UpdatePipeline
 from lightning_async.pipeline.versions import WeightVersions, tensor_bytes
@@ -130,6 +130,8 @@ class PipelineRuntime:
         stages = g.num_stages
         self.clock = self.spec.clock(stages)
         self.rank_clock = self.clock.rank(g.stage)
+        if correction is not None:  # (a k-step correction needs each parameter's delay; 2BW's is the default 1)
+            correction.set_delays({p: self.rank_clock.delay for p in self.params})
         self.pieces = [self.spec.piece(g.stage, c, stages) for c in range(self.spec.chunks)]  # each chunk's piece
         self.last_piece = self.spec.virtual_stages(stages) - 1
         self.is_first, self.is_last = 0 in self.pieces, self.last_piece in self.pieces
@@ -154,6 +156,7 @@ class PipelineRuntime:
         self._programs = CallPrograms(self.spec, g.stage, stages, n_microbatches)  # each call shape lowered once
         self.batches_done = 0  # training calls finished
         self.fresh = True  # pipeline empty: the next call starts with warmup
+        self.started = 0  # the batch whose call last began with an empty pipeline (a warm-up may span calls)
         self.batch_shape: tuple | None = None  # signature (structure, dtypes, shapes) of the last batch's inputs
         self._handover: dict[tuple[str, int, int], object] = {}  # (kind, chunk, mb) -> a value between two chunks of this rank
         self._batch_data: dict[int, tuple[list, list]] = {}
@@ -274,7 +277,7 @@ class PipelineRuntime:
         chunk of this rank (as a fresh leaf, like a received one)."""
         kind, piece = step.target
         if step.remote_output:
-            self.transport.exchange((value, kind, step.piece), receive)
+            self.transport.exchange((value, kind, step.piece), receive, step.send_order)
             return
         if kind == "act":
             leaves, structure = flatten(value)
@@ -313,10 +316,11 @@ class PipelineRuntime:
         self.batch_shape = shape
         if self.fresh:
             self.transport.reset()
+            self.started = b
         self.transport.begin_call()  # frees the sends of two calls ago (gloo never frees them by itself)
         self._batch_data[b] = self._microbatches(inputs, targets)
         self.updates.record_hyperparameters(b)
-        actions = self.spec.checked_call_actions(self.groups.stage, self.groups.num_stages, self.n_microbatches, b, self.fresh)
+        actions = self.spec.checked_call_actions(self.groups.stage, self.groups.num_stages, self.n_microbatches, b, self.started)
         due = self.rank_clock.due_before(b)
         program = self._programs.get(actions, b, start=self.updates.held_back(), apply_first=() if due is None else (due,))
         self._run(program, base=b)
@@ -343,8 +347,8 @@ class PipelineRuntime:
 
     def _drain(self) -> None:
         last = self.batches_done - 1
-        actions = self.spec.drain_actions(self.groups.stage, self.groups.num_stages, self.n_microbatches, last)
-        pending = tuple(sorted({*self.updates.pending, last}))
+        actions = self.spec.drain_actions(self.groups.stage, self.groups.num_stages, self.n_microbatches, last, self.started)
+        pending = tuple(sorted({*self.updates.pending, last, *(a.batch for a in actions if a.kind == UPDATE)}))
         self._run(self._program(actions, start=self.updates.held_back(), apply_last=pending))
         self._batch_data.clear()
         self.transport.flush()

@@ -28,6 +28,11 @@ interleaved schedule) gives rank ``r`` the pieces ``r, r + p, r + 2p, ...``; ``v
   before the weight gradient is computed, so a micro-batch's round trip through the pipeline is shorter by the
   weight gradients of the stages it crosses. The same update rule; faster when hops cost time (2BW's steady
   state is bound by that round trip, ``docs/schedules.md``).
+* ``pipedream``: PipeDream with weight stashing (Narayanan et al. 2019): 2BW's endless 1F1B stream, but stage
+  ``s`` of ``p`` is ``p - 1 - s`` steps stale (the delay profile ``pipedream``) and keeps ``p - s`` weight
+  versions. With one micro-batch per batch (PipeDream's update after every micro-batch) that is the stream's own
+  staleness; with more it is staler than needed (2BW is the schedule for that). Its warm-up spans ``p - 1 - s``
+  calls when ``m`` is below the stage's warm-up forwards.
 
 The runtime executes one *call* per training batch. :meth:`ScheduleSpec.call_actions` gives the actions of the
 call for batch ``b``: for the flushing schedules the whole batch, for ``2bw`` everything in the stream before the
@@ -40,6 +45,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
+from lightning_async.pipeline import profiles
 from lightning_async.pipeline.clock import UpdateClock
 
 FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD, UPDATE = "F", "B", "I", "W", "U"
@@ -180,10 +186,10 @@ class ScheduleSpec:
 
     Attributes:
         name: the schedule's name (``SCHEDULES``).
-        delay: steps of staleness of every piece's updates (2BW: one; 0: a flushing schedule). Weight versions,
-            slots and when an update lands follow from it in :meth:`clock` (:mod:`~lightning_async.pipeline.clock`).
-        loss_lag: a training step can report the loss of the batch this many steps back without waiting
-            (2BW: the last stage finishes batch ``b`` while the first stage already runs ``b + 1``).
+        delay: steps of staleness of every piece's updates (2BW: one; 0: a flushing schedule), or the name of a
+            delay profile (:mod:`~lightning_async.pipeline.profiles`) giving each piece its own (``"pipedream"``:
+            ``p - 1 - s``). Weight versions, slots, when an update lands and which loss a step reports follow from
+            it in :meth:`clock` (:mod:`~lightning_async.pipeline.clock`).
         min_microbatches_per_stage: micro-batches per batch must be at least this many times the stages.
         chunks: model pieces (virtual stages) per rank.
         placement: ``loop`` (rank ``r`` holds pieces ``r, r + p, ...``) or ``v`` (``r`` and ``2p - 1 - r``).
@@ -193,8 +199,7 @@ class ScheduleSpec:
     """
 
     name: str
-    delay: int
-    loss_lag: int
+    delay: int | str
     min_microbatches_per_stage: int
     chunks: int = 1
     placement: str = LOOP
@@ -206,11 +211,22 @@ class ScheduleSpec:
     @property
     def delayed(self) -> bool:
         """Updates apply stale gradients (no flush between batches): staleness corrections apply."""
-        return self.delay > 0
+        return isinstance(self.delay, str) or self.delay > 0
+
+    @property
+    def uniform_delay(self) -> bool:
+        """Every piece has the same delay (cross-stage reductions, i.e. global clipping and tied weights, apply)."""
+        return not isinstance(self.delay, str)
 
     def piece_delays(self, num_stages: int) -> tuple[int, ...]:
         """Each piece's delay, in piece order."""
+        if isinstance(self.delay, str):
+            return tuple(profiles.stage_delays(self.delay, self.virtual_stages(num_stages), 1))
         return (self.delay,) * self.virtual_stages(num_stages)
+
+    def describe_delay(self) -> str:
+        """The delay for a run's record: ``"1"``, ``"0"`` or the profile's name."""
+        return str(self.delay)
 
     def clock(self, num_stages: int) -> UpdateClock:
         """The update clock of this schedule on ``num_stages`` ranks."""
@@ -272,33 +288,36 @@ class ScheduleSpec:
             )
 
     # ---- action lists -----------------------------------------------------------------------------
-    def call_actions(self, stage: int, num_stages: int, n_microbatches: int, batch: int, fresh: bool = True) -> list[Action]:
+    def call_actions(self, stage: int, num_stages: int, n_microbatches: int, batch: int, fresh: bool = True,
+                     started: int | None = None) -> list[Action]:
         """Actions of the training call for ``batch`` on rank ``stage``.
 
-        ``fresh`` (``2bw`` only): the pipeline is empty before this call (first batch, or after a drain).
-        For ``2bw`` the result equals the slice of :func:`stream_2bw` between the first forwards of ``batch`` and
-        ``batch + 1``.
+        Delayed schedules: ``fresh``: the pipeline is empty before this call (first batch, or after a drain);
+        otherwise ``started`` is the batch whose call last began with an empty pipeline (default 0: a warm-up that
+        spans several calls, ``pipedream`` with few micro-batches, needs it). The result is the slice of
+        :func:`stream_2bw` begun at ``started`` between the first forwards of ``batch`` and ``batch + 1``.
         """
         self.validate(num_stages, n_microbatches)
         if batch < 0:
             raise ValueError(f"batch must be >= 0, got {batch}.")
         if self.delayed and batch == 0 and not fresh:
             raise ValueError("batch 0 always starts with an empty pipeline: use fresh=True.")
-        return self.checked_call_actions(stage, num_stages, n_microbatches, batch, fresh)
+        started = batch if fresh else (started or 0)
+        if not 0 <= started <= batch:
+            raise ValueError(f"started must be between 0 and batch ({batch}), got {started}.")
+        return self.checked_call_actions(stage, num_stages, n_microbatches, batch, started)
 
-    def checked_call_actions(self, stage: int, num_stages: int, n_microbatches: int, batch: int, fresh: bool) -> list[Action]:
+    def checked_call_actions(self, stage: int, num_stages: int, n_microbatches: int, batch: int, started: int) -> list[Action]:
         """:meth:`call_actions` for settings already validated (the runtime's, checked once when it was built: this
-        runs every training call)."""
+        runs every training call); ``started``: the batch whose call began with an empty pipeline."""
         m = n_microbatches
         if not self.delayed:
             actions = self.per_batch(stage, num_stages, m, self.chunks, batch * m)
             return actions + [Action(UPDATE, (batch + 1) * m - 1, batch)]
         w = warmup_forwards(stage, num_stages)
-        begin, end = batch * m, (batch + 1) * m
-        if fresh:
-            warmup = [Action(FORWARD, begin + i, batch) for i in range(w)]
-            return self._split(warmup + _pairs(stage, num_stages, m, begin, end - w))
-        return self._split(_pairs(stage, num_stages, m, begin - w, end - w))
+        begin, end, first = batch * m, (batch + 1) * m, started * m
+        warmup = [Action(FORWARD, k, batch) for k in range(max(begin, first), min(end, first + w))]
+        return self._split(warmup + _pairs(stage, num_stages, m, max(begin - w, first), end - w))
 
     def _split(self, actions: list[Action]) -> list[Action]:
         """A 1F1B-ordered list with each ``B`` as ``I`` then ``W`` when the backward is split (2BW-split: the input
@@ -310,17 +329,21 @@ class ScheduleSpec:
             out += [replace(a, kind=INPUT_GRAD), replace(a, kind=WEIGHT_GRAD)] if a.kind == BACKWARD else [a]
         return out
 
-    def drain_actions(self, stage: int, num_stages: int, n_microbatches: int, batch: int) -> list[Action]:
-        """Actions that empty the pipeline after the call for ``batch`` (empty for flushing schedules)."""
+    def drain_actions(self, stage: int, num_stages: int, n_microbatches: int, batch: int, started: int = 0) -> list[Action]:
+        """Actions that empty the pipeline after the call for ``batch`` (empty for flushing schedules); ``started``:
+        the batch whose call began with an empty pipeline (nothing before it is in flight)."""
         if batch < 0:
             raise ValueError(f"batch must be >= 0, got {batch} (nothing to drain before the first batch).")
         if not self.delayed:
             return []
         m, w = n_microbatches, warmup_forwards(stage, num_stages)
         end = (batch + 1) * m
-        if w == 0:
-            return []  # the last stage finishes each batch inside its call
-        return self._split([Action(BACKWARD, j, batch) for j in range(end - w, end)] + [Action(UPDATE, end - 1, batch)])
+        out = []
+        for j in range(max(end - w, started * m), end):  # the backwards in flight (none on the last stage)
+            out.append(Action(BACKWARD, j, j // m))
+            if (j + 1) % m == 0:
+                out.append(Action(UPDATE, j, j // m))
+        return self._split(out)
 
     def run_actions(self, stage: int, num_stages: int, n_microbatches: int, num_batches: int) -> list[Action]:
         """All actions of ``num_batches`` training calls followed by a drain (for tests and the simulator)."""
@@ -329,11 +352,11 @@ class ScheduleSpec:
         actions: list[Action] = []
         for b in range(num_batches):
             actions += self.call_actions(stage, num_stages, n_microbatches, b, fresh=b == 0)
-        return actions + self.drain_actions(stage, num_stages, n_microbatches, num_batches - 1)
+        return actions + self.drain_actions(stage, num_stages, n_microbatches, num_batches - 1, started=0)
 
 
 def _sync(name: str, per_batch: Callable, min_per_stage: int, **kwargs) -> ScheduleSpec:
-    return ScheduleSpec(name, delay=0, loss_lag=0,
+    return ScheduleSpec(name, delay=0,
                         min_microbatches_per_stage=min_per_stage, per_batch=per_batch, **kwargs)
 
 
@@ -344,8 +367,9 @@ SPECS = {
     "interleaved": _sync("interleaved", _interleaved, 1, chunks=2, microbatch_multiple_of_stages=True,
                          configurable_chunks=True),
     "zbv": _sync("zbv", _zb_v, 0, chunks=2, placement=V_SHAPE, split_backward=True),
-    "2bw": ScheduleSpec("2bw", delay=1, loss_lag=1, min_microbatches_per_stage=1),
-    "2bw-split": ScheduleSpec("2bw-split", delay=1, loss_lag=1, min_microbatches_per_stage=1, split_backward=True),
+    "2bw": ScheduleSpec("2bw", delay=1, min_microbatches_per_stage=1),
+    "2bw-split": ScheduleSpec("2bw-split", delay=1, min_microbatches_per_stage=1, split_backward=True),
+    "pipedream": ScheduleSpec("pipedream", delay="pipedream", min_microbatches_per_stage=0),
 }
 SCHEDULES = tuple(SPECS)
 #: the synchronous schedule a comparison should beat: no stale gradients, the smallest bubble we run
@@ -360,6 +384,7 @@ STRATEGY_NAMES = {
     "sync_pipe": ("1f1b", "1F1B pipeline with a flush per step"),
     "gpipe_pipe": ("gpipe", "GPipe pipeline with a flush per step"),
     "zb_pipe": (BEST_SYNC, "ZB-V zero-bubble pipeline (the best synchronous baseline)"),
+    "pipedream_pipe": ("pipedream", "PipeDream pipeline with weight stashing (asynchronous, per-stage delays)"),
 }
 
 
@@ -409,14 +434,15 @@ def validate(schedule: "str | ScheduleSpec", num_stages: int, n_microbatches: in
     spec(schedule).validate(num_stages, n_microbatches)
 
 
-def call_actions(schedule, stage: int, num_stages: int, n_microbatches: int, batch: int, fresh: bool = True) -> list[Action]:
+def call_actions(schedule, stage: int, num_stages: int, n_microbatches: int, batch: int, fresh: bool = True,
+                 started: int | None = None) -> list[Action]:
     """:meth:`ScheduleSpec.call_actions` of ``schedule`` (a name or a spec)."""
-    return spec(schedule).call_actions(stage, num_stages, n_microbatches, batch, fresh)
+    return spec(schedule).call_actions(stage, num_stages, n_microbatches, batch, fresh, started)
 
 
-def drain_actions(schedule, stage: int, num_stages: int, n_microbatches: int, batch: int) -> list[Action]:
+def drain_actions(schedule, stage: int, num_stages: int, n_microbatches: int, batch: int, started: int = 0) -> list[Action]:
     """:meth:`ScheduleSpec.drain_actions` of ``schedule`` (a name or a spec)."""
-    return spec(schedule).drain_actions(stage, num_stages, n_microbatches, batch)
+    return spec(schedule).drain_actions(stage, num_stages, n_microbatches, batch, started)
 
 
 def run_actions(schedule, stage: int, num_stages: int, n_microbatches: int, num_batches: int) -> list[Action]:

@@ -44,11 +44,11 @@ def test_world_checks_run_before_any_group():
         PipelineConfig.of("1f1b", n_microbatches=1).check(2)
     with pytest.raises(ValueError, match="shard_optimizer=True shards the optimizer state"):
         PipelineConfig.of("2bw", shard_optimizer=True).check(2)
-    with pytest.raises(ValueError, match="sends messages between two stages in another order"):
-        PipelineConfig.of("zbv").check(2, backend="nccl", device_type="cuda")
+    PipelineConfig.of("zbv").check(2, backend="nccl", device_type="cuda")  # its sends ordered for NCCL: accepted
     PipelineConfig.of("zbv").check(2)  # gloo matches by tag: fine
-    with pytest.raises(ValueError, match="transport='nccl-rules'"):  # NCCL's rules on gloo: refused before launch too
-        PipelineConfig.of("zbv", n_microbatches=4, transport="nccl-rules").check(2)
+    PipelineConfig.of("zbv", n_microbatches=4, transport="nccl-rules").check(2)  # NCCL's rules on gloo: accepted too
+    with pytest.raises(ValueError, match="process_group_backend='nccl' needs CUDA tensors"):
+        PipelineConfig.of("zbv").check(2, backend="nccl")
 
 
 def test_the_strategy_reads_its_config():

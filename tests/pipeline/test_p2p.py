@@ -131,36 +131,88 @@ def test_nccl_rules_post_every_group_through_batch_isend_irecv(fake_sends, monke
     assert t.groups_batched == 3 and len(made) == 3
 
 
-@pytest.mark.parametrize("schedule, stages, m, refused", [
-    ("zbv", 2, 4, True), ("zbv", 3, 4, True), ("zbv", 2, 2, False), ("zbh1", 2, 4, False), ("interleaved", 2, 4, False),
-    ("2bw", 3, 3, False),
+def test_held_sends_leave_in_the_receivers_order_on_nccls_path_only(monkeypatch):
+    """``order`` (a step's ``send_order``): on NCCL's path a held send waits in the peer's queue at its place and
+    leaves after the releasing step's own output, each in its own group, the receive with the last; gloo's rules (a
+    tag per channel) send at once."""
+    posted: list[list[float]] = []
+
+    def batch_isend_irecv(ops):
+        posted.append([op[1].flatten()[0].item() for op in ops])
+        return [FakeWork(True) for _ in ops]
+
+    monkeypatch.setattr(p2p.dist, "batch_isend_irecv", batch_isend_irecv)
+    monkeypatch.setattr(p2p.dist, "P2POp", lambda *args, **kwargs: args)
+    monkeypatch.setattr(p2p.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(p2p.dist, "get_backend", lambda group=None: "gloo")
+    t = StageTransport(None, torch.device("cpu"), lambda k: k // 2, lambda r: r, transport="nccl-rules")
+    grad = lambda v, piece: ([torch.full((2,), float(v))], "grad", piece)  # noqa: E731  (piece 1's gradient, to rank 0)
+    t.exchange(grad(3, 1), order=("hold", 0))
+    t.exchange(grad(2, 1), order=("hold", 0))  # consumed before the first one held
+    assert posted == [] and len(t._held[0]) == 2
+    with pytest.raises(RuntimeError, match="never released"):
+        t.flush()
+    t.exchange(grad(1, 1), order=("release", 2))
+    assert posted == [[1.0], [2.0], [3.0]] and t._held[0] == []
+    t.flush()
+
+    sent = []
+    monkeypatch.setattr(p2p.dist, "isend", lambda x, peer, group=None, tag=0: sent.append(x[0].item()) or FakeWork(False))
+    gloo = StageTransport(None, torch.device("cpu"), lambda k: k // 2, lambda r: r)
+    gloo.exchange(grad(3, 1), order=("hold", 0))
+    gloo.exchange(grad(1, 1), order=("release", 1))
+    assert sent == [3.0, 1.0] and not gloo._held
+
+
+@pytest.mark.parametrize("schedule, stages, m", [
+    ("zbv", 2, 4), ("zbv", 3, 4), ("zbv", 4, 8), ("zbv", 2, 2), ("zbh1", 2, 4), ("interleaved", 2, 4), ("2bw", 3, 3),
 ])
-def test_nccl_rules_refuse_what_nccl_cannot_match(schedule, stages, m, refused):
-    """The order check that refuses ZB-V on NCCL refuses it under the mode too, and only where its order differs."""
+def test_nccl_rules_accept_every_schedule_once_its_sends_are_ordered(schedule, stages, m):
+    """The order check passes every built-in schedule, ZB-V included (its sends ordered for NCCL by
+    ``program.order_sends``), under the mode and on NCCL alike."""
     from lightning_async.pipeline import schedules
     from lightning_async.pipeline.run_checks import check_message_order
 
     spec = schedules.spec(schedule)
     check_message_order(spec, stages, m)  # gloo's rules: any order matches by tag
-    if not refused:
-        check_message_order(spec, stages, m, "nccl-rules")
-        return
-    with pytest.raises(ValueError, match=rf"Schedule '{schedule}' .*transport='nccl-rules'.*first pair that disagrees"):
-        check_message_order(spec, stages, m, "nccl-rules")
-    with pytest.raises(ValueError, match=rf"Schedule '{schedule}' .*NCCL \(no tags\)"):
-        check_message_order(spec, stages, m, backend="nccl")
+    check_message_order(spec, stages, m, "nccl-rules")
+    check_message_order(spec, stages, m, backend="nccl", device_type="cuda")
 
 
-def test_building_a_rank_under_nccl_rules_refuses_zbv_before_any_group():
+def test_nccl_rules_still_refuse_action_lists_no_order_can_match():
+    """What is left to refuse: a message one end never posts (no order of sends matches it), and ranks that would
+    wait on each other (rank 0 of 1F1B running its first backward before the forward it needs)."""
+    from lightning_async.pipeline import schedules
+    from lightning_async.pipeline.run_checks import check_message_order
+
+    spec = schedules.spec("1f1b")
+    lists = [spec.run_actions(r, 2, 4, 1) for r in range(2)]
+    dropped = [lists[0], [a for a in lists[1] if not (a.kind == "F" and a.microbatch == 3)]]
+    with pytest.raises(ValueError, match=r"Schedule '1f1b' .*transport='nccl-rules'.*first pair that disagrees"):
+        check_message_order(spec, 2, 4, "nccl-rules", lists=dropped)
+    with pytest.raises(ValueError, match=r"Schedule '1f1b' .*NCCL \(no tags\)"):
+        check_message_order(spec, 2, 4, backend="nccl", lists=dropped)
+    backward_first = [[a for a in lists[0] if a.kind == "B" and a.microbatch == 0]
+                      + [a for a in lists[0] if not (a.kind == "B" and a.microbatch == 0)], lists[1]]
+    with pytest.raises(ValueError, match=r"Schedule '1f1b' posts its messages in matching order, but its stages "
+                                         r"would wait on each other under transport='nccl-rules'.*no rank can go on"):
+        check_message_order(spec, 2, 4, "nccl-rules", lists=backward_first)
+    check_message_order(spec, 2, 4, lists=backward_first)  # gloo's rules: not this check's business
+
+
+def test_building_a_rank_under_nccl_rules_checks_the_order_before_any_group(monkeypatch):
     """``pipeline.rank.build`` (the strategy's, the harness's and the benchmarks' one way to a runtime) checks the
-    order before it makes a process group: no group exists in this process, so reaching one would fail otherwise."""
+    order before it makes a process group: no group exists in this process, so reaching one would fail otherwise.
+    With the sends of ZB-V left in compute order (``program.order_sends`` taken out) the check refuses it there."""
     import torch.distributed as dist
 
     from _pipeline_harness import make_model, sgd
+    from lightning_async.pipeline import program
     from lightning_async.pipeline.rank import build, plan_rank
 
     model = make_model()
     plan = plan_rank([(f"model.{n}", u) for n, u in model.pipeline_units()], "zbv", 4, rank=0, world_size=2)
+    monkeypatch.setattr(program, "order_sends", lambda spec, p, programs: list(programs))
     with pytest.raises(ValueError, match=r"Schedule 'zbv' .*transport='nccl-rules'"):
         build(plan, sgd(plan.named_parameters), lambda b: b, lambda y, t: y, transport="nccl-rules")
     assert not dist.is_initialized()

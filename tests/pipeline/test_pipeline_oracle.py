@@ -5,9 +5,10 @@ Every scenario of one stage count runs inside one spawn (process start-up domina
 
 NCCL's rules on gloo: every schedule NCCL can run is run again under ``transport="nccl-rules"`` (tag 0, so two ranks'
 messages match in posting order; ``batch_isend_irecv`` groups; no pre-posted receives) in the same spawns, as a twin
-of a scenario under gloo's rules; the twin must train to the same bits. ZB-V, whose two ends of a pair post in
-different orders at 4 micro-batches, is refused under the mode, and with the refusal taken out it trains wrong
-(the negative control: the mode really matches in posting order).
+of a scenario under gloo's rules; the twin must train to the same bits. ZB-V at 4 micro-batches, whose two ends of a
+pair compute that pair's messages in different orders, runs under the mode with its sends ordered for NCCL
+(``program.order_sends``) and trains to the bits of its gloo run; with that pass taken out (and the order check with
+it) it trains wrong (the negative control: the mode really matches in posting order).
 """
 
 from __future__ import annotations
@@ -117,9 +118,9 @@ SCENARIOS = {
 }
 # Under NCCL's rules (their twins appended to the same spawns): every schedule, with corrections, clipping, drains,
 # the Hugging Face workloads, 3 stages, 4 stages and 2 stages x 2 replicas (the indices of their twins above). ZB-V
-# where its two ends post each pair's messages in the same order (2 micro-batches on 2 stages, 4 on 4): the order
-# check lets it run there.
-NCCL_RULES_TWINS = {2: [0, 1, 5, 6, 7, 10, 11, 12, 15, 16, 17], 3: [3, 4, 6], 4: [0, 3, 4, 5, 6, 7, 8]}
+# everywhere: on 3 stages (4 micro-batches) its sends are held back for the receiver's order (``program.order_sends``;
+# 2 micro-batches on 2 stages and 4 on 4 need none), and the control below runs 2 stages at 4.
+NCCL_RULES_TWINS = {2: [0, 1, 5, 6, 7, 10, 11, 12, 15, 16, 17], 3: [3, 4, 5, 6], 4: [0, 3, 4, 5, 6, 7, 8]}
 TWINS = {world: {len(SCENARIOS[world]) + k: i for k, i in enumerate(indices)} for world, indices in NCCL_RULES_TWINS.items()}
 for _world, _indices in NCCL_RULES_TWINS.items():
     SCENARIOS[_world] += [SCENARIOS[_world][i].under_nccl_rules() for i in _indices]
@@ -150,25 +151,23 @@ def _all_scenarios(world: int) -> list:
     return runs + [_zbv_in_posting_order()] if world == 2 else runs
 
 
-ZBV_MISMATCHED = 4  # micro-batches at which ZB-V's two ends of the pair post in different orders (2 at 2 do not)
+ZBV_MISMATCHED = 4  # micro-batches at which ZB-V's two ends of a pair compute its messages in different orders
 
 
 def _zbv_in_posting_order() -> dict:
-    """The negative control (after the scenarios, one entry more): ZB-V on 2 stages at 4 micro-batches under gloo's
-    rules, refused under NCCL's, and run under NCCL's with the refusal taken out."""
+    """The control (after the scenarios, one entry more): ZB-V on 2 stages at 4 micro-batches under gloo's rules,
+    under NCCL's (its sends held back for the receiver's order), and under NCCL's with that pass and the order check
+    taken out (the sends in compute order)."""
+    import lightning_async.pipeline.program as program
     import lightning_async.pipeline.rank as rank
 
     def run(transport: str):
         return pipeline_run(2, "zbv", "adamw", 0.0, STEPS, 1.0, m=ZBV_MISMATCHED, prepost=False, transport=transport)[0]
 
-    try:
-        run("nccl-rules")
-        refusal = None
-    except ValueError as err:  # raised by every rank alike, before any process group
-        refusal = str(err)
-    with mock.patch.object(rank, "check_message_order", lambda *args, **kwargs: None):
-        unchecked = run("nccl-rules")
-    return {"tagged": run("auto"), "refusal": refusal, "unchecked": unchecked}
+    with mock.patch.object(program, "order_sends", lambda spec, p, programs: list(programs)), \
+            mock.patch.object(rank, "check_message_order", lambda *args, **kwargs: None):
+        unordered = run("nccl-rules")
+    return {"tagged": run("auto"), "ordered": run("nccl-rules"), "unordered": unordered}
 
 
 @pytest.fixture(scope="module", params=[2, 3, 4], ids=["2-processes", "3-processes", "4-processes"])
@@ -266,15 +265,15 @@ def test_nccl_rules_train_to_the_same_bits_as_gloos(pipeline_results):
 
 
 @pytest.mark.parametrize("pipeline_results", [2], indirect=True, ids=["2-processes"])
-def test_zbv_is_refused_under_nccl_rules_and_would_train_wrong(pipeline_results):
+def test_zbv_under_nccl_rules_trains_exactly_and_would_train_wrong_unordered(pipeline_results):
     _, per_rank = pipeline_results
     controls = [rank_results[len(SCENARIOS[2])] for rank_results in per_rank]
-    for control in controls:
-        assert control["refusal"] and "Schedule 'zbv'" in control["refusal"], control["refusal"]
-        assert "transport='nccl-rules'" in control["refusal"] and "first pair that disagrees" in control["refusal"]
+    for control in controls:  # the same bits as under gloo's tags: the same messages reached the same receives
+        assert control["ordered"].keys() == control["tagged"].keys()
+        assert all(torch.equal(control["ordered"][n], control["tagged"][n]) for n in control["tagged"])
     tagged = {n: w for c in controls for n, w in c["tagged"].items()}
-    unchecked = {n: w for c in controls for n, w in c["unchecked"].items()}
+    unordered = {n: w for c in controls for n, w in c["unordered"].items()}
     reference = reference_run("adamw", 0, 0.0, STEPS, 1.0, microbatches=ZBV_MISMATCHED)
     assert max((tagged[n] - reference[n]).abs().max().item() for n in tagged) < 2e-5  # gloo's tags: exact
-    worst = max((unchecked[n] - reference[n]).abs().max().item() for n in unchecked)
-    assert worst > 1e-3, f"ZB-V matched in posting order should train wrong, max |diff| = {worst}"
+    worst = max((unordered[n] - reference[n]).abs().max().item() for n in unordered)
+    assert worst > 1e-3, f"ZB-V's sends in compute order, matched in posting order, should train wrong: {worst}"

@@ -76,3 +76,12 @@ def test_wpipe_profile_follows_wpipes_rule_on_one_device():
     for other in ({n: 1 for n, _ in _units()}, {n: 0 for n, _ in _units()}):
         moved = _delayed_optimizer_run(other)
         assert max((a - b).abs().max().item() for a, b in zip(moved, expected)) > 1e-4
+
+
+def test_paci_is_a_microbatch_rule_not_unit_delays():
+    # its per-stage numbers are the most steps a stage's forwards are stale; the rule itself is optim/paci.py's
+    assert stage_delays("paci", 4, 1) == [1, 1, 1, 0] and describe("paci", 4, 1) == "paci-4"
+    with pytest.raises(ValueError, match=r"rule per micro-batch, not a delay per unit: run it with DelaySimulation"):
+        unit_delays(_units(), "paci", 2, delay=1)
+    with pytest.raises(ValueError, match="'paci' delay profile needs the number of stages"):
+        stage_delays("paci", None, 1)
