@@ -4,7 +4,8 @@
 #   bash benchmarks/device_wheels.sh            # here, once: wheels of the pure-Python deps (offline GPU box)
 #   run(command="bash benchmarks/gpu_session.sh", carry=[".device-wheels"], timeout_s=540)
 #
-# The step limits add up to 480 s, inside that timeout, so a slow step never takes the later ones with it.
+# The step limits add up to 480 s, inside that timeout, so a slow step never takes the later ones with it
+# (60 + 85 + 170 + 70 + 80 + 15: step 0 took its 60 s from the others' first guesses, 100 + 200 + 80 + 80 + 20).
 #
 # Writes every table, JSON and log under $OUT (default runs/gpu_session); each step has its own time limit,
 # so a failing or slow step leaves the others' results. QUICK=1 DEVICE=cpu runs the same steps on the `tiny`
@@ -48,14 +49,20 @@ else
     FIT_ARGS=(--trainer.max_steps 60 --trainer.val_check_interval 30 --trainer.precision bf16-mixed --trainer.enable_progress_bar false)
 fi
 
+# 0. Every code path of the runtime one device reaches, on it, against its reference rule: a one-stage pipeline
+#    (plan_rank/build in a one-process NCCL group) under 2BW (weight versions and their swaps) with AdamW, fused AdamW,
+#    bf16 autocast and compiled blocks, 1F1B with Muon, PipeDream, and WeightSwap itself; weights against the
+#    reference, steps/s, memory_report() against torch.cuda.max_memory_allocated(). Exits 1 on any FAIL.
+step one_gpu_paths 60 python benchmarks/one_gpu_paths.py --device "$DEVICE" --json "$OUT/one_gpu_paths.json"
+
 # 1. Muon step: torch.optim.Muon vs BatchedMuon vs NorMuon vs fused AdamW (target: torch / Batched >= 5 at 135M).
-step muon_speed 100 python benchmarks/muon_speed.py --device "$DEVICE" --models $MUON_MODELS --json "$OUT/muon_speed.json"
+step muon_speed 85 python benchmarks/muon_speed.py --device "$DEVICE" --models $MUON_MODELS --json "$OUT/muon_speed.json"
 
 # 2. Tokens/s and MFU, sync and delayed + EF, eager vs compiled blocks, bf16 autocast (target: MFU >= 0.40).
-step mfu_adamw 200 python benchmarks/compile_speed.py --device "$DEVICE" --models "$MODEL" --paths plain delayed-ef \
+step mfu_adamw 170 python benchmarks/compile_speed.py --device "$DEVICE" --models "$MODEL" --paths plain delayed-ef \
     --optimizer adamw --autocast bf16 --seq-len "$SEQ" --batch "$BATCH" --reps "$REPS" --warmup 2 \
     --peak-tflops "$PEAK_TFLOPS" --json "$OUT/mfu_adamw.json"
-step mfu_muon 80 python benchmarks/compile_speed.py --device "$DEVICE" --models "$MODEL" --paths delayed-ef \
+step mfu_muon 70 python benchmarks/compile_speed.py --device "$DEVICE" --models "$MODEL" --paths delayed-ef \
     --optimizer muon --autocast bf16 --seq-len "$SEQ" --batch "$BATCH" --reps "$REPS" --warmup 2 \
     --peak-tflops "$PEAK_TFLOPS" --json "$OUT/mfu_muon.json"
 
@@ -67,7 +74,7 @@ step fit_delayed_ef 80 python -m lightning_async.cli fit --config recipes/quicks
     --config recipes/optimizers/muon.yaml --config recipes/modes/delayed-ef.yaml \
     --model.model "$MODEL" --trainer.accelerator "$ACCEL" --data.seq_len "$SEQ" --data.batch_size "$BATCH" \
     --trainer.logger.init_args.save_dir "$OUT/runs" "${FIT_ARGS[@]}"
-step fit_summary 20 python - "$OUT/runs" <<'EOF'
+step fit_summary 15 python - "$OUT/runs" <<'EOF'
 import sys
 from pathlib import Path
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -79,4 +86,21 @@ for events in sorted(Path(sys.argv[1]).rglob("events.out.tfevents.*")):
             values = [(e.step, round(e.value, 4)) for e in acc.Scalars(tag)]
             print(events.parent.name, tag, values[:2], "...", values[-2:])
 EOF
+
+# A device call brings back at most 8 files from $OUT (none deeper than $OUT/a/b/): pack every log, JSON and event
+# file into session.tar.gz and leave beside it only the summaries and the results' JSON (7 files in all).
+archive=$(mktemp)
+tar -czf "$archive" -C "$OUT" --exclude=session.tar.gz . && mv "$archive" "$OUT/session.tar.gz" \
+    && rm -rf "$OUT"/*.log "$OUT/runs"
+echo "== summary (every log: $OUT/session.tar.gz)"
+cat "$OUT/steps.txt"
+python - "$OUT/one_gpu_paths.json" <<'PY' 2>/dev/null || echo "one_gpu_paths: no results"
+import json, sys
+r = json.load(open(sys.argv[1]))
+print("one_gpu_paths on", r["device_name"], "model", r["model"], "in", round(r["seconds"], 1), "s")
+for row in r["rows"]:
+    print(f"  {row['path']:13} {row['status']:4} max|dw| {row.get('max_diff')} tol {row.get('tolerance')} "
+          f"steps/s {row.get('steps_per_s')} report {row.get('accounted_bytes')} peak {row.get('peak_allocated_bytes')} "
+          f"{'; '.join(row.get('notes') or [])}")
+PY
 echo "done: results under $OUT"

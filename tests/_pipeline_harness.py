@@ -15,6 +15,7 @@ from lightning_async.models.objective import next_token_loss, split_next_token
 from lightning_async.optim import DelayedOptimizer, build_correction, build_optimizer
 from lightning_async.pipeline import profiles
 from lightning_async.pipeline.boundary import split_rows
+from lightning_async.pipeline.paci import PaciRule
 from lightning_async.pipeline.fsdp import whole
 from lightning_async.pipeline.local import join_default_group, run_local
 from lightning_async.pipeline.rank import build, plan_rank
@@ -103,11 +104,13 @@ def correction_of(setting):
 def reference_run(
     optimizer: str, delay: int, ef, steps: int, clip: float | None, microbatches: int = 1, workload: Workload = SMOLLM2,
     autocast: Callable = contextlib.nullcontext, optimizer_kwargs: dict | None = None, profile: str | None = None,
-    stages: int | None = None,
+    stages: int | None = None, refills: tuple[int, ...] = (),
 ) -> dict[str, torch.Tensor]:
     """Single-device run with DelayedOptimizer(pairing='2bw'); returns the newest weights by name.
 
-    ``profile`` (with ``stages``): per-unit delays of a delay profile (``"pipedream"``) instead of ``delay`` for all.
+    ``profile`` (with ``stages``): per-unit delays of a delay profile (``"pipedream"``) instead of ``delay`` for all;
+    ``"paci"``: PACI's rule (``PaciRule``, ``microbatches`` per batch) instead of a delayed optimizer, its previous
+    version forgotten before the batches in ``refills`` (where the pipeline runs empty: after a drain).
 
     ``ef``: the correction (:func:`correction_of`). ``autocast``: the forwards and losses run under it (as the
     pipeline's ``autocast`` option runs them); ``optimizer_kwargs`` go to ``build_optimizer`` (e.g. ``fused=True``).
@@ -121,15 +124,23 @@ def reference_run(
     opt = build_optimizer(optimizer, named, lr=LRS[optimizer], weight_decay=0.1,
                           **{**KWARGS.get(optimizer, {}), **(optimizer_kwargs or {})})
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
-    by_parameter = None
-    if profile is not None:
-        units = list(model.pipeline_units())
+    by_parameter, rule = None, None
+    units = [(f"model.{n}", u) for n, u in model.pipeline_units()]
+    if profile == "paci":
+        rule, contract = PaciRule(units, stages, microbatches), _Contract(w, model)
+    elif profile is not None:
         by_parameter = profiles.parameter_delays(units, profiles.unit_delays(units, profile, stages, delay))
     wrapped = DelayedOptimizer(opt, delay=delay, pairing="2bw", correction=correction_of(ef) if delay or profile else None,
                                parameter_delays=by_parameter)
     schedule_hyperparameters(opt, 0)
     for step, batch in enumerate(w.make_batches(steps)):
-        for chunk in split_rows(batch, microbatches):
+        if rule is not None:
+            if step in refills:
+                rule.forget()
+            with autocast():
+                loss, _ = rule.batch_loss(contract, batch)
+            loss.backward()
+        for chunk in split_rows(batch, microbatches) if rule is None else ():
             inputs, targets = w.split_batch(chunk)
             with autocast():
                 loss = w.loss(model(inputs), targets)
@@ -148,6 +159,14 @@ def reference_run(
         inputs, targets = w.split_batch(w.eval_batch())
         weights["eval_loss"] = w.loss(model(inputs), targets)
     return weights
+
+
+class _Contract:
+    """A workload's model with the pipeline contract (what ``PaciRule.batch_loss`` reads)."""
+
+    def __init__(self, workload: Workload, model) -> None:
+        self.pipeline_split_batch, self.pipeline_loss = workload.split_batch, workload.loss
+        self.pipeline_context = getattr(model, "pipeline_context", None)
 
 
 def sgd(named_parameters) -> torch.optim.Optimizer:

@@ -21,7 +21,7 @@ from lightning_async.optim.corrections import NO_CORRECTION, as_correction, buil
 from lightning_async.optim.delay import DelayedOptimizer, check_delay
 from lightning_async.pipeline import profiles
 from lightning_async.callbacks import paci_step  # profile "paci" (PACI's rule)
-from lightning_async.optim import paci
+from lightning_async.pipeline import paci
 
 
 def two_corrections(names: str) -> ValueError:
@@ -285,6 +285,8 @@ class DelaySimulation(Callback):
     # Evaluation and checkpoints use the newest weights x(t), not the stale ones the next forward reads.
     def on_validation_start(self, trainer, pl_module) -> None:
         self._shown = self._show_newest() if trainer.state.fn == "fit" else None
+        if self._paci is not None and trainer.state.fn == "fit":
+            self._paci.forget()  # the pipeline drains to evaluate: the batch after reads the current weights everywhere
 
     def on_validation_end(self, trainer, pl_module) -> None:
         if getattr(self, "_shown", None) is not None:
@@ -292,7 +294,8 @@ class DelaySimulation(Callback):
             self._shown = None
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
-        if self._paci is not None:  # the previous version the next batch's early forwards read
+        if self._paci is not None:  # the pipeline drains to save (as to evaluate): the batch after reads the current
+            self._paci.forget()       # weights everywhere, so the checkpoint holds no previous version
             checkpoint["paci"] = self._paci.state_dict()
         if not self.optimizers:
             return

@@ -1,9 +1,9 @@
-"""``DelaySimulation(profile="paci")``: PACI's rule (:mod:`lightning_async.optim.paci`) as the module's training step.
+"""``DelaySimulation(profile="paci")``: PACI's rule (:mod:`lightning_async.pipeline.paci`) as the module's training step.
 
 A delayed optimizer cannot express PACI (it stashes one version per batch; PACI's forwards read a version that
 depends on the micro-batch, its backwards the current one), so the callback replaces the module's
 ``training_step`` for the fit: the batch is cut into ``n_microbatches`` micro-batches and run stage by stage with
-:class:`~lightning_async.optim.paci.PaciRule`, whose loss Lightning back-propagates, clips and steps as usual (one
+:class:`~lightning_async.pipeline.paci.PaciRule`, whose loss Lightning back-propagates, clips and steps as usual (one
 optimizer step per batch: every stage updates after every batch). The module needs the pipeline contract
 (``pipeline_units``, ``pipeline_split_batch``, ``pipeline_loss``; optionally ``pipeline_context`` and ``log_loss``).
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from lightning.pytorch import LightningModule, Trainer
 
-from lightning_async.optim.paci import PaciRule
+from lightning_async.pipeline.paci import PaciRule
 
 CONTRACT = ("pipeline_units", "pipeline_split_batch", "pipeline_loss")
 

@@ -69,14 +69,42 @@ class UpdateClock:
 
     @property
     def loss_lag(self) -> int:
-        """How many steps back a training step's reported loss is: the largest delay.
+        """How many steps back a training step's reported loss is: the largest delay (at least one step for an
+        asynchronous schedule: its last stage finishes a batch while the first runs the next).
 
         A piece of delay ``d`` runs the last backwards of batch ``b`` at the latest in call ``b + d`` (its update
         lands before call ``b + d + 1``), and a batch's loss exists before its first backward, so by the end of call
         ``b + d`` every rank can have it without waiting. Under 2BW the last stage finishes batch ``b`` while the
         first stage already runs ``b + 1``: step ``b`` reports batch ``b - 1``'s loss (waiting for batch ``b``
         would re-create the bubble); under ``pipedream`` with one micro-batch per batch, batch ``b - p + 1``'s."""
-        return self.max_delay
+        return max(self.max_delay, 1 if self.schedule.delayed else 0)
+
+    def stale_forwards(self, stage: int) -> int:
+        """How many of a batch's first forwards on rank ``stage`` read the version before the previous batch's update
+        (a schedule without a stash only, ``paci``: they run before that update lands in the same call, and their
+        backwards recompute at the new weights); 0 where every forward of a batch reads one version."""
+        return 0 if self.schedule.stash else self._stale_forwards[stage]
+
+    def forward_reads(self, stage: int, batch: int, index: int) -> int:
+        """Updates contained in the weights the forward of the ``index``-th micro-batch of ``batch`` reads on rank
+        ``stage`` (its backward reads ``rank(stage).updates_read(batch)``)."""
+        read = self.rank(stage).updates_read(batch)
+        return read - 1 if index < self.stale_forwards(stage) and read > 0 else read
+
+    @cached_property
+    def _stale_forwards(self) -> tuple[int, ...]:
+        m, batch, out = self._steady_microbatches, self.max_delay + 2, []
+        for stage in range(self.num_stages):
+            actions = self.schedule.call_actions(stage, self.num_stages, m, batch, fresh=False)
+            update = next((k for k, a in enumerate(actions) if a.kind == "U" and a.batch == batch - 1), 0)
+            out.append(sum(1 for a in actions[:update] if a.kind == "F" and a.batch == batch))
+        return tuple(out)
+
+    @property
+    def _steady_microbatches(self) -> int:
+        """A micro-batch count every schedule takes (a multiple of the stages, at least its minimum)."""
+        m = self.schedule.min_microbatches_per_stage * self.num_stages or self.num_stages
+        return -(-m // self.num_stages) * self.num_stages
 
     def reported_loss(self, step: int) -> int | None:
         """The batch whose loss the training step of batch ``step`` reports without waiting (``None``: none yet)."""
@@ -87,9 +115,7 @@ class UpdateClock:
     def _begin_offsets(self) -> tuple[int, ...]:
         """Per rank: how many calls after its own the update of a batch begins (2BW: 0 on the last stage, whose
         backwards of batch ``b`` end inside call ``b``, 1 on the others)."""
-        m = self.schedule.min_microbatches_per_stage * self.num_stages or self.num_stages
-        m = -(-m // self.num_stages) * self.num_stages  # (a multiple of the stages: every schedule takes it)
-        batch = self.max_delay + 2  # a steady-state batch
+        m, batch = self._steady_microbatches, self.max_delay + 2  # a steady-state batch
         offsets = []
         for stage in range(self.num_stages):
             for call in range(batch, batch + self.max_delay + 2):

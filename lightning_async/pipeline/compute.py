@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from lightning_async.pipeline.paci import recomputed_at_backward
 from lightning_async.pipeline.boundary import flatten
 from lightning_async.pipeline.fsdp import set_gradient_sync
 from lightning_async.pipeline.hooks import StepHooks
@@ -33,17 +34,22 @@ class ChunkCompute:
                  last_piece: int, versions: WeightVersions, n_microbatches: int, loss_fn: Callable,
                  autocast: Callable = contextlib.nullcontext, context_fn: Callable | None = None,
                  activation_checkpointing: bool = False, split_backward: bool = False, fsdp: bool = False,
-                 hooks: StepHooks | None = None, device: torch.device | None = None) -> None:
+                 hooks: StepHooks | None = None, device: torch.device | None = None, stale_forwards: int = 0) -> None:
         self.chunks, self.pieces, self.last_piece, self.versions = list(chunks), list(pieces), last_piece, versions
         self.n_microbatches, self.loss_fn, self.autocast, self.context_fn = n_microbatches, loss_fn, autocast, context_fn
         self.activation_checkpointing, self.fsdp, self.device = bool(activation_checkpointing), fsdp, device
         self.hooks = hooks or StepHooks()
+        #: a batch's first ``stale_forwards`` forwards run before the previous batch's update lands on the one version
+        #: (``paci``): their backwards recompute the chunk at the updated weights (``pipeline.paci``)
+        self.stale_forwards = stale_forwards
         index = {id(p): i for i, p in enumerate(params)}
         #: per chunk: its forward with a version's weights in place of its parameters (every name a weight has in
         #: the chunk -> its index in ``params``; not under FSDP, whose parameters are the storage it gathers from)
         self.swaps = [] if fsdp else [
             WeightSwap(c, {n: index[id(p)] for n, p in c.named_parameters(remove_duplicate=False)}) for c in self.chunks
         ]
+        #: per chunk: the positions of its weights in a version (what a recomputed backward differentiates)
+        self.chunk_weights = [sorted({index[id(p)] for p in c.parameters()}) for c in self.chunks]
         if split_backward:
             for chunk in self.chunks:
                 split_linear_backward(chunk)
@@ -66,6 +72,8 @@ class ChunkCompute:
             if self.fsdp:
                 self.versions.hold_read_by(batch) if training else self.versions.hold_newest()
                 y = self.chunks[chunk](x, **kwargs)  # FSDP gathers the chunk's weights (of the version held)
+            elif training and mb % self.n_microbatches < self.stale_forwards:
+                y = self._recomputed_at_backward(chunk, batch, x, kwargs)
             elif training:  # autograd accumulates into the batch's version
                 with self.swaps[chunk].using(self.versions.read_by(batch)):
                     y = self.chunks[chunk](x, **kwargs)
@@ -78,6 +86,18 @@ class ChunkCompute:
             grad_outputs = [y] if last else [t for t in flatten(y)[0] if t.requires_grad]
             self.inflight[chunk, mb] = (grad_inputs, grad_outputs)
         return y
+
+    def _recomputed_at_backward(self, chunk: int, batch: int, x, kwargs: dict):
+        """The chunk on ``x`` now, with no graph; its backward recomputes it at the weights the version holds then
+        (updated in place in between) and accumulates the weight gradients there."""
+        version = self.versions.read_by(batch)
+        swap, module = self.swaps[chunk], self.chunks[chunk]
+
+        def run(value, _previous: bool):
+            with swap.using(version):
+                return module(value, **kwargs)
+
+        return recomputed_at_backward(run, x, [version[i] for i in self.chunk_weights[chunk]])
 
     def backward(self, chunk: int, mb: int, batch: int, grads: list[torch.Tensor] | None, split: bool = False) -> list[torch.Tensor] | None:
         """Backward of micro-batch ``mb`` of ``batch`` on ``chunk``; the gradients of its received leaves (``None`` on

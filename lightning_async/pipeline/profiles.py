@@ -16,7 +16,7 @@ stage's forward reads depends on the micro-batch (the first ``p - 1 - s`` of a b
 ``s``, the rest the current one) and every backward reads the current version. ``"paci"`` is named here (its per-stage
 delays are the most steps a stage's forwards are stale: 1 for stages ``0 .. p - 2``, 0 for the last), but
 :func:`unit_delays` refuses it: :class:`~lightning_async.callbacks.DelaySimulation` runs
-:class:`~lightning_async.optim.paci.PaciRule` for it instead of a delayed optimizer.
+:class:`~lightning_async.pipeline.paci.PaciRule` for it instead of a delayed optimizer.
 
 Profiles: ``"uniform"`` (every unit ``delay``), ``"2bw"`` (every unit 1), ``"pipedream"`` (``p - 1 - s``,
 needs ``stages``), ``"wpipe"`` (the ``2 * stages`` pieces' first half 1, second half 0), ``"paci"`` (needs
@@ -72,7 +72,7 @@ def unit_delays(units: Sequence[tuple[str, nn.Module]], profile: Profile, stages
     names = [name for name, _ in units]
     if isinstance(profile, str) and profile in MICROBATCH_PROFILES:
         raise ValueError(f"The {profile!r} profile is a rule per micro-batch, not a delay per unit: run it with "
-                         f"DelaySimulation(profile={profile!r}, stages=...) (lightning_async.optim.paci).")
+                         f"DelaySimulation(profile={profile!r}, stages=...) (lightning_async.pipeline.paci).")
     if isinstance(profile, Mapping):
         unknown = sorted(set(profile) - set(names))
         if unknown:

@@ -103,8 +103,10 @@ def _channels(spec: ScheduleSpec, rank: int, num_stages: int, action: Action) ->
 
 @lru_cache(maxsize=256)
 def _rank_clock(spec: ScheduleSpec, num_stages: int, rank: int):
-    """``spec.clock(num_stages).rank(rank)``, built once per schedule, size and rank (:func:`lower` runs per call)."""
-    return spec.clock(num_stages).rank(rank)
+    """``spec.clock(num_stages).rank(rank)`` and whether the rank holds its reductions back a call (the clock's
+    ``defers_reductions``), built once per schedule, size and rank (:func:`lower` runs per call)."""
+    clock = spec.clock(num_stages)
+    return clock.rank(rank), clock.defers_reductions(rank)
 
 
 def lower(spec: ScheduleSpec, rank: int, num_stages: int, actions: tuple[Action, ...] | list[Action],
@@ -114,15 +116,18 @@ def lower(spec: ScheduleSpec, rank: int, num_stages: int, actions: tuple[Action,
     ``start``: batches whose held-back reductions start first (``START_REDUCTIONS``). ``apply_first`` /
     ``apply_last``: batches whose updates are applied (with a ``barrier``) before the first / after the last step
     (the clock's ``due_before(call)``; a drain applies every update). Every ``U`` becomes ``BEGIN_UPDATE``,
-    followed at once by ``APPLY_UPDATE`` where the rank's clock applies updates at once (a flushing schedule).
+    followed at once by ``APPLY_UPDATE`` where the rank's clock applies updates at once (a flushing schedule) and
+    the rank does not hold the update's reductions back to its next call (``paci``'s last stage: waiting for them
+    at the end of its call would wait for another rank's next call across whatever the step does in between, so
+    the update is applied at the start of its next call, by ``apply_first``, before any forward reads it).
     """
-    clock = _rank_clock(spec, num_stages, rank)
+    clock, defers = _rank_clock(spec, num_stages, rank)
     raw: list[dict] = [dict(kind=START_REDUCTIONS, batch=b) for b in start]
     raw += [dict(kind=APPLY_UPDATE, batch=b, barrier=True) for b in apply_first]
     for a in actions:
         if a.kind == UPDATE:
             raw.append(dict(kind=BEGIN_UPDATE, batch=a.batch, microbatch=a.microbatch))
-            if clock.applies_at_once:
+            if clock.applies_at_once and not defers:
                 raw.append(dict(kind=APPLY_UPDATE, batch=a.batch, microbatch=a.microbatch))
             continue
         if a.kind not in COMPUTE:

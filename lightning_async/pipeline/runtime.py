@@ -144,6 +144,7 @@ class PipelineRuntime:
         self.compute = ChunkCompute(
             self.chunks, self.params, self.pieces, self.last_piece, self.versions, n_microbatches, loss_fn, autocast,
             context_fn, activation_checkpointing, self.spec.split_backward, fsdp, self.hooks, self.device,
+            stale_forwards=self.clock.stale_forwards(g.stage),
         )
         self.shards = self._make_shards() if shard_optimizer else None
         tied = [self.names.index(n) for n in tied_parameters]

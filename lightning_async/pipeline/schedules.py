@@ -33,6 +33,10 @@ interleaved schedule) gives rank ``r`` the pieces ``r, r + p, r + 2p, ...``; ``v
   versions. With one micro-batch per batch (PipeDream's update after every micro-batch) that is the stream's own
   staleness; with more it is staler than needed (2BW is the schedule for that). Its warm-up spans ``p - 1 - s``
   calls when ``m`` is below the stage's warm-up forwards.
+* ``paci``: PACI (Elam et al. 2026): the same stream with one weight version per stage and no stash. A stage's
+  update lands right after its last backward of a batch, so the first ``p - 1 - s`` forwards of the next batch
+  on stage ``s`` (which ran before it) read the previous version; their backwards recompute the stage at the
+  current one (``lightning_async.pipeline.paci``). Needs ``m >= p - 1``.
 
 The runtime executes one *call* per training batch. :meth:`ScheduleSpec.call_actions` gives the actions of the
 call for batch ``b``: for the flushing schedules the whole batch, for ``2bw`` everything in the stream before the
@@ -196,6 +200,8 @@ class ScheduleSpec:
         split_backward: the backward runs as ``I`` (input gradient) and ``W`` (weight gradient) actions.
         microbatch_multiple_of_stages: micro-batches per batch must be a multiple of the stages.
         per_batch: the flushing schedules' actions of one batch ``(rank, p, m, chunks, first micro-batch)``.
+        stash: a micro-batch's backward reads the weight version its forward read (every schedule but ``paci``,
+            which keeps one version: a forward that ran before an update is recomputed at the new weights).
     """
 
     name: str
@@ -207,11 +213,13 @@ class ScheduleSpec:
     microbatch_multiple_of_stages: bool = False
     per_batch: Callable | None = None
     configurable_chunks: bool = False
+    stash: bool = True
 
     @property
     def delayed(self) -> bool:
-        """Updates apply stale gradients (no flush between batches): staleness corrections apply."""
-        return isinstance(self.delay, str) or self.delay > 0
+        """Asynchronous: no flush between batches, so some forwards read weights that miss recent updates
+        (staleness corrections apply where the schedule stashes versions: :meth:`require_delay`)."""
+        return isinstance(self.delay, str) or self.delay > 0 or not self.stash
 
     @property
     def uniform_delay(self) -> bool:
@@ -238,11 +246,17 @@ class ScheduleSpec:
         return self.min_microbatches_per_stage > 0
 
     def require_delay(self, what: str) -> None:
-        """Refuse ``what`` (a correction, EF) on a schedule without a delay, naming the fix."""
+        """Refuse ``what`` (a correction, EF) on a schedule without a delayed update, naming the fix."""
         if not self.delayed:
             raise ValueError(
                 f"{what} corrects the one-step delay of schedule '2bw', but schedule {self.name!r} is synchronous "
                 "(no delay). Use strategy='async_pipe' (schedule='2bw') or remove the correction."
+            )
+        if not self.stash:
+            raise ValueError(
+                f"{what} corrects a delayed update, but schedule {self.name!r} has none: every gradient is taken at "
+                "the current weights (only some forwards read the previous version, and their backwards recompute). "
+                "Remove the correction, or use schedule='2bw' or 'pipedream'."
             )
 
     def with_chunks(self, chunks: int | None) -> "ScheduleSpec":
@@ -273,6 +287,12 @@ class ScheduleSpec:
             raise ValueError(f"num_stages must be >= 1, got {num_stages}.")
         if n_microbatches < 1:
             raise ValueError(f"n_microbatches must be >= 1, got {n_microbatches}.")
+        if not self.stash and n_microbatches < num_stages - 1:
+            raise ValueError(
+                f"schedule {self.name!r} needs n_microbatches >= stages - 1 (a micro-batch may cross at most one update "
+                f"of a stage between its forward and its backward): got {n_microbatches} for {num_stages} stages. "
+                f"Raise n_microbatches to >= {num_stages - 1} or use fewer stages."
+            )
         need = self.min_microbatches_per_stage * num_stages
         if n_microbatches < need:
             raise ValueError(
@@ -370,6 +390,7 @@ SPECS = {
     "2bw": ScheduleSpec("2bw", delay=1, min_microbatches_per_stage=1),
     "2bw-split": ScheduleSpec("2bw-split", delay=1, min_microbatches_per_stage=1, split_backward=True),
     "pipedream": ScheduleSpec("pipedream", delay="pipedream", min_microbatches_per_stage=0),
+    "paci": ScheduleSpec("paci", delay=0, min_microbatches_per_stage=0, stash=False),
 }
 SCHEDULES = tuple(SPECS)
 #: the synchronous schedule a comparison should beat: no stale gradients, the smallest bubble we run
@@ -385,6 +406,7 @@ STRATEGY_NAMES = {
     "gpipe_pipe": ("gpipe", "GPipe pipeline with a flush per step"),
     "zb_pipe": (BEST_SYNC, "ZB-V zero-bubble pipeline (the best synchronous baseline)"),
     "pipedream_pipe": ("pipedream", "PipeDream pipeline with weight stashing (asynchronous, per-stage delays)"),
+    "paci_pipe": ("paci", "PACI pipeline: asynchronous 1F1B without a weight stash"),
 }
 
 

@@ -133,6 +133,7 @@ def time_action_lists(
     tw = [b / 2 for b in tb] if weight is None else per_rank(weight, pieces, "weight")
     tu, hop = per_rank(update, p, "update"), per_hop(comm, pieces)
     extra = per_rank(overhead, p, "overhead")
+    recomputed = _recomputed_backwards(s_, actions)
     holder = [s_.holder(k, p) for k in range(pieces)]
     done: list[dict[tuple[str, int, int], float]] = [{} for _ in range(p)]
     ptr, free = [0] * p, [0.0] * p
@@ -168,6 +169,8 @@ def time_action_lists(
             else:
                 piece = step.piece
                 duration = _durations(a.kind, tf[piece], tb[piece], tw[piece]) + extra[r]
+                if a.kind in GRADIENT_ACTIONS and recomputed(r, a):
+                    duration += tf[piece]  # (paci: the backward of a stale forward recomputes the chunk first)
                 if step.source is not None:
                     ready = arrival(step)
                 elif a.kind in GRADIENT_ACTIONS:
@@ -191,6 +194,21 @@ def time_action_lists(
     if stuck:
         raise DeadlockError("pipeline deadlock: " + "; ".join(stuck))
     return trace
+
+
+def _recomputed_backwards(s_: ScheduleSpec, actions: Sequence[Sequence[Action]]):
+    """``(rank, action) -> bool``: whether the runtime recomputes the chunk before this backward (``paci``: the first
+    forwards of a batch, which the clock's ``stale_forwards`` counts, run without a graph)."""
+    clock = s_.clock(len(actions))
+    stale = [clock.stale_forwards(r) for r in range(len(actions))]
+    if not any(stale):
+        return lambda r, a: False
+    per_batch: dict[int, int] = {}
+    for a in actions[-1]:  # (the last rank runs every forward of a batch)
+        if a.kind == FORWARD:
+            per_batch[a.batch] = per_batch.get(a.batch, 0) + 1
+    m = max(per_batch.values())
+    return lambda r, a: a.microbatch % m < stale[r]
 
 
 def _busy_in(intervals: list[tuple[Action, float, float]], lo: float, hi: float) -> float:

@@ -14,15 +14,16 @@ import torch
 from lightning_async.optim.clock import PieceClock
 from lightning_async.optim.delay import DelayedOptimizer
 from lightning_async.pipeline.program import APPLY_UPDATE, BEGIN_UPDATE, COMPUTE, START_REDUCTIONS, lower
+from lightning_async.pipeline.paci import reads_previous
 from lightning_async.pipeline.schedules import SCHEDULES, UPDATE, spec
 
 BATCHES = 5
 
 
 def _microbatches(s, p: int) -> tuple[int, ...]:
-    """``2 p`` (every schedule takes it; interleaved: a multiple of p), and 1 where the schedule takes fewer
+    """``2 p`` (every schedule takes it; interleaved: a multiple of p), and 1 where the schedule takes it (fewer
     micro-batches than stages (pipedream's warm-up then spans several calls)."""
-    return (2 * p, 1) if s.min_microbatches_per_stage == 0 else (2 * p,)
+    return (2 * p, 1) if s.min_microbatches_per_stage == 0 and s.stash else (2 * p,)
 
 
 def oracle_versions(delay: int, batches: int) -> list[int]:
@@ -80,6 +81,8 @@ def replay(schedule, p: int, eager: bool, m: int) -> dict:
                         land(step.batch)
                 elif step.kind in COMPUTE:
                     got, want = slots[rc.read_slot(step.batch)], rc.updates_read(step.batch)
+                    if step.kind == "F":  # (paci: a batch's first forwards may read the version before)
+                        want = clock.forward_reads(r, step.batch, step.microbatch - step.batch * m)
                     assert got == want, (f"{schedule} p={p} rank {r} call {c}: {step.kind}{step.microbatch} of batch "
                                          f"{step.batch} read a version with {got} updates, the clock says {want}")
                     if step.kind == "F" and step.target is None and c < BATCHES:
@@ -123,6 +126,16 @@ def test_reductions_are_held_back_where_a_rank_updates_a_call_early(schedule):
                   for r in range(p)]
         assert [s.clock(p).defers_reductions(r) for r in range(p)] == [b < max(begins) for b in begins]
     assert not spec(schedule).clock(1).defers_reductions(0)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_the_stale_forwards_are_pacis_rule(p):
+    """Which forwards read the previous version under ``paci``: the clock (from the action lists) against the
+    one-device rule's ``reads_previous``; every stashing schedule has none."""
+    clock = spec("paci").clock(p)
+    for stage in range(p):
+        assert [clock.forward_reads(stage, 3, j) < 3 for j in range(2 * p)] == [reads_previous(stage, j, p) for j in range(2 * p)]
+    assert all(spec(name).clock(p).stale_forwards(r) == 0 for name in SCHEDULES if name != "paci" for r in range(p))
 
 
 def test_a_removed_delay_fails_the_rule():

@@ -29,11 +29,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import _pipeline_harness as harness
+
+BENCHMARKS = str(Path(__file__).resolve().parents[2] / "benchmarks")
+if BENCHMARKS not in sys.path:  # (also in the spawned workers, which import this module)
+    sys.path.insert(0, BENCHMARKS)
+from one_gpu_paths import counting_fused_adamw  # noqa: E402  (the GPU session's counter of fused AdamW steps)
 from _pipeline_harness import pipeline_run, reference_run, spawn
 
 pytestmark = pytest.mark.slow  # the tests here start processes
@@ -66,32 +73,16 @@ RUNS = {
 }
 
 
-def _counting_fused_steps():
-    """Count the fused AdamW kernel's calls (``torch.optim.adam`` looks it up on ``torch`` at every step)."""
-    calls = {"fused": 0}
-    kernel = torch._fused_adamw_
-
-    def counted(*args, **kwargs):
-        calls["fused"] += 1
-        return kernel(*args, **kwargs)
-
-    torch._fused_adamw_ = counted
-    return calls, kernel
-
-
 def _all_runs() -> dict:
     from torch._dynamo.utils import counters
 
     out = {}
     for name, (schedule, ef, options) in RUNS.items():
-        calls, kernel = _counting_fused_steps()
         torch._dynamo.reset()  # (each compiled run compiles afresh: its frames are counted, not reused)
         counters.clear()
-        try:
+        with counting_fused_adamw() as calls:
             weights = pipeline_run(2, schedule, "adamw", ef, STEPS, 1.0, m=2, **options)[0]
-        finally:
-            torch._fused_adamw_ = kernel
-        out[name] = {"weights": weights, "fused_steps": calls["fused"], "frames": dict(counters["frames"])}
+        out[name] = {"weights": weights, "fused_steps": calls["n"], "frames": dict(counters["frames"])}
     return out
 
 

@@ -79,7 +79,7 @@ def test_wpipe_profile_follows_wpipes_rule_on_one_device():
 
 
 def test_paci_is_a_microbatch_rule_not_unit_delays():
-    # its per-stage numbers are the most steps a stage's forwards are stale; the rule itself is optim/paci.py's
+    # its per-stage numbers are the most steps a stage's forwards are stale; the rule itself is pipeline/paci.py's
     assert stage_delays("paci", 4, 1) == [1, 1, 1, 0] and describe("paci", 4, 1) == "paci-4"
     with pytest.raises(ValueError, match=r"rule per micro-batch, not a delay per unit: run it with DelaySimulation"):
         unit_delays(_units(), "paci", 2, delay=1)

@@ -128,6 +128,8 @@ def _pipeline_fits(tmp: str) -> dict:
     out["async"] = fit(AsyncPipelineStrategy(n_microbatches=2), 2, ckpt_dir=ckpt_dir)
     out["async_ef"] = fit(AsyncPipelineStrategy(n_microbatches=2), 2, callbacks=[ErrorFeedback(1.0)])
     out["sync"] = fit("sync_pipe", 2)
+    out["paci"] = fit(AsyncPipelineStrategy(schedule="paci", n_microbatches=2), 2)
+    out["pipedream"] = fit("pipedream_pipe", 2, gradient_clip_val=None, tied=False)
     out["resumed"] = fit(AsyncPipelineStrategy(n_microbatches=2), 2, ckpt_path=os.path.join(ckpt_dir, "step=4.ckpt"))
     out["files"] = sorted(os.listdir(os.path.join(ckpt_dir, "step=4.ckpt")))
     return out
@@ -164,6 +166,21 @@ def test_async_pipe_equals_delay_simulation(pipeline_fits):
 def test_async_pipe_with_error_feedback_equals_single_device(pipeline_fits):
     reference, _ = fit("auto", 1, callbacks=[DelaySimulation(1), ErrorFeedback(1.0)])
     assert _max_diff(_merged(pipeline_fits, "async_ef"), reference) < 2e-5
+
+
+def test_paci_equals_its_single_device_rule(pipeline_fits):
+    """Validation drains the pipeline every 4 steps; the one-device rule forgets its previous version there too."""
+    reference, _ = fit("auto", 1, callbacks=[DelaySimulation(profile="paci", stages=2, n_microbatches=2)])
+    assert _max_diff(_merged(pipeline_fits, "paci"), reference) < 2e-5
+    assert _max_diff(_merged(pipeline_fits, "paci"), _merged(pipeline_fits, "sync")) > 1e-4  # negative control
+
+
+def test_pipedream_equals_its_single_device_rule(pipeline_fits):
+    """``strategy="pipedream_pipe"`` (2 x stages micro-batches by default: its rule does not depend on them) against
+    ``DelaySimulation(profile="pipedream")``; untied, unclipped (both refused with it)."""
+    reference, _ = fit("auto", 1, callbacks=[DelaySimulation(profile="pipedream", stages=2)], gradient_clip_val=None,
+                       tied=False)
+    assert _max_diff(_merged(pipeline_fits, "pipedream"), reference) < 2e-5
 
 
 def test_sync_pipe_equals_plain_training_and_async_differs(pipeline_fits):
@@ -287,7 +304,7 @@ def test_spawn_returns_every_stage_to_the_main_process(pipeline_fits):
 
 
 def test_unknown_schedule_names_the_choices():
-    with pytest.raises(ValueError, match=r"Unknown pipeline schedule '2bx'\. Choose one of: gpipe, 1f1b, zbh1, interleaved, zbv, 2bw, 2bw-split, pipedream \(or strategy='async_pipe'"):
+    with pytest.raises(ValueError, match=r"Unknown pipeline schedule '2bx'\. Choose one of: gpipe, 1f1b, zbh1, interleaved, zbv, 2bw, 2bw-split, pipedream, paci \(or strategy='async_pipe'"):
         AsyncPipelineStrategy(schedule="2bx")
 
 

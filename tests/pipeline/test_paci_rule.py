@@ -1,4 +1,4 @@
-"""PACI's single-device rule (lightning_async/optim/paci.py) against a hand-written loop of the rule.
+"""PACI's single-device rule (lightning_async/pipeline/paci.py) against a hand-written loop of the rule.
 
 The loop below writes the rule out stage by stage with plain autograd: micro-batch j's forward on stage s at the
 weights before the last update when j < p - 1 - s (else the current ones), the loss scaled 1/m, then the backward
@@ -30,8 +30,8 @@ from lightning_async.lm import CausalLM
 from lightning_async.optim import build_optimizer
 from lightning_async.optim.lr_schedules import warmup_cosine
 from test_callbacks import EpochSampler  # (tests/callbacks is on sys.path: tests/conftest.py)
-from lightning_async.optim import paci
-from lightning_async.optim.paci import PaciRule, check_paci, reads_previous
+from lightning_async.pipeline import paci
+from lightning_async.pipeline.paci import PaciRule, check_paci, reads_previous
 from lightning_async.pipeline.partition import partition_units
 from lightning_async.pipeline.profiles import describe, stage_delays, unit_delays
 from workload import SHAPE, make_batches
@@ -365,7 +365,9 @@ def test_callback_refusals_name_the_fix():
 @pytest.mark.filterwarnings("ignore:.*does not have many workers")
 @pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")
 def test_resume_through_the_callback_is_exact(tmp_path):
-    """The checkpoint holds the previous version (the next batch's early forwards read it): resuming is exact."""
+    """A checkpoint is a drain, as on the pipeline: the rule forgets its previous version there (the batch after reads
+    the current weights everywhere), so the checkpoint needs none and resuming ends on the fit that saved it, while
+    a fit that never drained differs."""
     data = make_batches(LM_STEPS)
     options = dict(accelerator="cpu", devices=1, max_steps=LM_STEPS, logger=False, enable_progress_bar=False,
                    enable_model_summary=False, num_sanity_val_steps=0)
@@ -376,12 +378,14 @@ def test_resume_through_the_callback_is_exact(tmp_path):
         trainer.fit(module, DataLoader(data, batch_size=None, sampler=EpochSampler(len(data))), ckpt_path=ckpt_path)
         return dict(module.named_parameters())
 
-    whole = run(make_lm(), [], enable_checkpointing=False)
-    run(make_lm(), [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1)])
+    undrained = run(make_lm(), [], enable_checkpointing=False)
+    whole = run(make_lm(), [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1)])
     ckpt = next(tmp_path.glob("*step=4.ckpt"))
-    assert torch.load(ckpt, weights_only=False)["paci"]["previous"] is not None
-    resumed = run(make_lm(seed=3), [], ckpt_path=ckpt, enable_checkpointing=False)
+    assert torch.load(ckpt, weights_only=False)["paci"]["previous"] is None
+    resumed = run(make_lm(seed=3), [ModelCheckpoint(dirpath=tmp_path / "again", every_n_train_steps=4, save_top_k=-1)],
+                  ckpt_path=ckpt)
     assert all(torch.equal(p, whole[n]) for n, p in resumed.items())
+    assert any(not torch.equal(p, undrained[n]) for n, p in resumed.items())
 
 
 @pytest.mark.slow  # runs the command (README.md, Tests)

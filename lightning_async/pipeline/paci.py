@@ -166,23 +166,34 @@ class PaciRule:
     def _stale_forward(self, s: int, value, context, versions: list[torch.Tensor]):
         """Stage ``s`` on ``value``: the output of the previous version, the backward of the current one."""
         piece, swap = self.pieces[s], self._swaps[s]
-        leaves, structure = flatten(value)
-        out_structure: list = []
 
-        def run(inputs: Sequence[torch.Tensor], previous: bool) -> list[torch.Tensor]:
-            v = unflatten(list(inputs), structure)
+        def run(v, previous: bool):
             if previous:
                 with swap.using(versions):
-                    y = piece(v, context)
-            else:
-                y = piece(v, context)
-            out, shape = flatten(y)
-            out_structure[:] = [shape]
-            return out
+                    return piece(v, context)
+            return piece(v, context)
 
-        params = [self.params[i] for i in self._stage_params[s]]
-        outputs = _RecomputedBackward.apply(run, len(leaves), params, *leaves, *params)
-        return unflatten(list(outputs), out_structure[0])
+        return recomputed_at_backward(run, value, [self.params[i] for i in self._stage_params[s]])
+
+
+def recomputed_at_backward(run: Callable, value, params: Sequence[torch.Tensor]):
+    """``run(value, True)`` now, without a graph; in the backward, ``run`` again on the same ``value`` with
+    ``previous=False`` (the same random state and autocast as the forward) and the incoming gradient back-propagated
+    through that recompute into ``value``'s leaves and ``params`` (the weights it reads, whatever they hold by then).
+
+    PACI's backward (:class:`PaciRule`, and the pipeline's ``paci`` schedule, where ``run`` ignores ``previous``: its
+    one weight version has been updated in place between the two calls)."""
+    leaves, structure = flatten(value)
+    out_structure: list = []
+
+    def flat_run(inputs: Sequence[torch.Tensor], previous: bool) -> list[torch.Tensor]:
+        out, shape = flatten(run(unflatten(list(inputs), structure), previous))
+        out_structure[:] = [shape]
+        return out
+
+    params = list(params)
+    outputs = _RecomputedBackward.apply(flat_run, len(leaves), params, *leaves, *params)
+    return unflatten(list(outputs), out_structure[0])
 
 
 class _RecomputedBackward(torch.autograd.Function):

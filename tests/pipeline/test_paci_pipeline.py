@@ -1,0 +1,125 @@
+"""PACI as a real schedule: the pipeline follows ``PaciRule``, its single-device rule, exactly.
+
+Stage ``s`` keeps one weight version; its update lands right after its last backward of a batch, so the batch
+after's first ``p - 1 - s`` forwards (which ran before it) read the previous version and their backwards recompute
+the stage at the updated weights. The reference is ``PaciRule`` on one device (what ``DelaySimulation(profile=
+"paci")`` runs), its previous version forgotten where the pipeline ran empty (after an evaluation's drain and the
+shape change of batch ``SHRUNK_BATCH``). One spawn of four processes runs 2, 3 and 4 stages, AdamW, Muon and Lion,
+with and without clipping (the last stage then waits for the first one's norm), tied embeddings, and NCCL's matching
+rules.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _pipeline_harness import SHRUNK_BATCH, in_world, pipeline_run, reference_run, spawn
+from lightning_async.pipeline.schedules import spec
+
+pytestmark = pytest.mark.slow  # starts processes
+
+STEPS = 8
+M = 4  # micro-batches per batch (>= p - 1 for every stage count here; divides the batch of 8 and the shrunk one of 4)
+TOLERANCE = 2e-5  # as the oracle matrix (float32, summation order)
+
+
+@dataclass(frozen=True)
+class Run:
+    stages: int
+    optimizer: str
+    clip: float | None = None
+    drain_after: tuple[int, ...] = ()
+    transport: str = "auto"
+
+
+RUNS = [
+    Run(2, "adamw", clip=1.0, drain_after=(2,)),
+    Run(3, "muon"),
+    Run(3, "adamw", clip=1.0, drain_after=(2,)),
+    Run(4, "lion", clip=0.5),
+    Run(3, "adamw", clip=1.0, drain_after=(2,), transport="nccl-rules"),  # twin of RUNS[2]
+]
+
+
+def _run(run: Run):
+    return pipeline_run(run.stages, "paci", run.optimizer, 0.0, STEPS, run.clip, m=M, drain_at=run.drain_after,
+                        prepost=False if run.transport == "nccl-rules" else None, transport=run.transport)
+
+
+def _all_runs():
+    os.environ["SPAWN_RANK"] = str(dist.get_rank())  # (what in_world reads)
+    return [in_world(run.stages, _run, run) for run in RUNS]
+
+
+@pytest.fixture(scope="module")
+def results():
+    return spawn(4, _all_runs)
+
+
+def _merged(results, index: int) -> dict[str, torch.Tensor]:
+    merged: dict[str, torch.Tensor] = {}
+    for rank in range(RUNS[index].stages):
+        merged.update(results[rank][index][0])
+    return merged
+
+
+def _reference(run: Run, profile: str | None = "paci") -> dict[str, torch.Tensor]:
+    shape_changes = tuple(b for b in (SHRUNK_BATCH, SHRUNK_BATCH + 1) if b < STEPS)  # (each drains the pipeline)
+    refills = tuple(b + 1 for b in run.drain_after) + shape_changes
+    return reference_run(run.optimizer, 0, 0.0, STEPS, run.clip, microbatches=M, profile=profile, stages=run.stages,
+                         refills=refills)
+
+
+def _worst(weights: dict, reference: dict) -> float:
+    return max((weights[n] - reference[n]).abs().max().item() for n in weights)
+
+
+def test_paci_follows_its_single_device_rule(results):
+    for index, run in enumerate(RUNS):
+        reference = _reference(run)
+        weights = _merged(results, index)
+        assert set(weights) <= set(reference) and len(weights) >= len(reference) - 1  # (a tied head may appear once)
+        assert _worst(weights, reference) < TOLERANCE, f"{run}: {_worst(weights, reference)}"
+
+
+def test_negative_control_synchronous_training_is_another_rule(results):
+    """Every forward on the current weights (1F1B with a flush) differs: the stale forwards are seen."""
+    for index in (0, 2):
+        assert _worst(_merged(results, index), _reference(RUNS[index], profile=None)) > 1e-4
+
+
+def test_nccl_rules_train_to_the_same_bits(results):
+    for rank in range(3):
+        ours, theirs = results[rank][4], results[rank][2]
+        assert all(torch.equal(ours[0][n], theirs[0][n]) for n in ours[0]) and ours[1] == theirs[1]
+
+
+def test_one_weight_version_and_the_same_losses_everywhere(results):
+    for index, run in enumerate(RUNS):
+        per_rank = [results[rank][index] for rank in range(run.stages)]
+        assert all(r[4]["weight_versions"] == r[4]["parameters"] for r in per_rank)
+        losses = [r[1] for r in per_rank]
+        assert all(x == losses[0] for x in losses)
+        values = [x for x in losses[0] if x is not None]
+        assert len(values) == STEPS and all(2.0 < x < 7.0 for x in values)
+
+
+def test_the_clock_names_the_stale_forwards():
+    clock = spec("paci").clock(4)
+    assert [clock.stale_forwards(s) for s in range(4)] == [3, 2, 1, 0] and clock.loss_lag == 1
+    assert [clock.forward_reads(0, 5, j) for j in range(4)] == [4, 4, 4, 5] and clock.rank(0).updates_read(5) == 5
+
+
+def test_corrections_few_microbatches_and_sharding_are_refused():
+    from lightning_async.optim import build_correction
+    from lightning_async.optim.corrections import check_applicable
+
+    with pytest.raises(ValueError, match="schedule 'paci' has none: every gradient is taken at the current weights"):
+        check_applicable(build_correction("ef", 1.0), schedule=spec("paci"))
+    with pytest.raises(ValueError, match=r"needs n_microbatches >= stages - 1 .* got 2 for 4 stages"):
+        spec("paci").validate(4, 2)
