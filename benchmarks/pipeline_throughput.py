@@ -66,7 +66,7 @@ PROFILE_CATEGORIES = (
 )
 
 FUSED = "-fused"  # our runtime without pre-posted receives: the fused send/receive groups NCCL runs
-OURS = ("1f1b", "gpipe", "2bw", "2bw-split", "pipedream", "zbh1", "interleaved", "zbv")
+OURS = ("1f1b", "gpipe", "2bw", "2bw-split", "pipedream", "paci", "zbh1", "interleaved", "zbv")
 # torch's schedules: class name, our schedule with its pieces' layout (chunks per stage, placement), our equivalent
 TORCH = {
     "torch-1F1B": ("Schedule1F1B", "1f1b", "1f1b"),
