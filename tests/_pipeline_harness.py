@@ -125,7 +125,7 @@ def reference_run(
                           **{**KWARGS.get(optimizer, {}), **(optimizer_kwargs or {})})
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
     by_parameter, rule = None, None
-    units = [(f"model.{n}", u) for n, u in model.pipeline_units()]
+    units = [(f"model.{n}", u) for n, u in model.pipeline_units()] if profile is not None else []
     if profile == "paci":
         rule, contract = PaciRule(units, stages, microbatches), _Contract(w, model)
     elif profile is not None:

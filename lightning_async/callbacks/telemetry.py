@@ -33,7 +33,8 @@ def run_identity(trainer: Trainer, pl_module: LightningModule) -> dict:
     profile = sources[0].profile_label() if sources else UNIFORM_PROFILE
     schedule = pipeline_schedule(trainer)
     if schedule is not None:
-        mode, delay = (MODE_ASYNC_PIPE if schedule.delayed else MODE_SYNC_PIPE), schedule.delay
+        mode = MODE_ASYNC_PIPE if schedule.delayed else MODE_SYNC_PIPE
+        delay, profile = schedule.recorded_delay(trainer.strategy.pipeline_parallel_size)
     else:
         mode = MODE_DELAYED if delay else MODE_SYNC
     # what the runtime or the simulation's wrappers apply, however it was set; before fit, what is configured to

@@ -232,9 +232,13 @@ class ScheduleSpec:
             return tuple(profiles.stage_delays(self.delay, self.virtual_stages(num_stages), 1))
         return (self.delay,) * self.virtual_stages(num_stages)
 
-    def describe_delay(self) -> str:
-        """The delay for a run's record: ``"1"``, ``"0"`` or the profile's name."""
-        return str(self.delay)
+    def recorded_delay(self, num_stages: int) -> tuple[int, str]:
+        """``(delay, delay_profile)`` for a run's record, as the one-device simulation of the same rule records them
+        (so a pipeline run pairs with it): the largest delay and ``"uniform"``, or ``"pipedream-4"``, ``"paci-4"``."""
+        if self.stash and not isinstance(self.delay, str):
+            return self.delay, "uniform"
+        profile = self.delay if isinstance(self.delay, str) else self.name
+        return max(max(self.piece_delays(num_stages)), 1), f"{profile}-{num_stages}"
 
     def clock(self, num_stages: int) -> UpdateClock:
         """The update clock of this schedule on ``num_stages`` ranks."""

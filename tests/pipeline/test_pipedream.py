@@ -146,3 +146,13 @@ def test_the_schedule_is_delayed_per_stage():
     s = spec("pipedream")
     assert s.delayed and not s.uniform_delay
     assert [c.delay for c in s.clock(4).pieces] == [3, 2, 1, 0] and s.clock(4).loss_lag == 3
+
+
+def test_a_pipeline_run_is_recorded_as_its_one_device_rule():
+    """The run identity's delay and profile of a pipeline run equal those ``DelaySimulation`` records for the same
+    rule, so ``compare`` and ``study`` pair them."""
+    from lightning_async.pipeline import profiles
+
+    assert spec("pipedream").recorded_delay(4) == (3, profiles.describe("pipedream", 4, 1))
+    assert spec("paci").recorded_delay(4) == (1, profiles.describe("paci", 4, 1))
+    assert spec("2bw").recorded_delay(4) == (1, "uniform") and spec("1f1b").recorded_delay(4) == (0, "uniform")
