@@ -140,11 +140,12 @@ def reference_run(
             with autocast():
                 loss, _ = rule.batch_loss(contract, batch)
             loss.backward()
-        for chunk in split_rows(batch, microbatches) if rule is None else ():
-            inputs, targets = w.split_batch(chunk)
-            with autocast():
-                loss = w.loss(model(inputs), targets)
-            (loss / microbatches).backward()
+        else:
+            for chunk in split_rows(batch, microbatches):
+                inputs, targets = w.split_batch(chunk)
+                with autocast():
+                    loss = w.loss(model(inputs), targets)
+                (loss / microbatches).backward()
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         wrapped.step()
@@ -261,6 +262,13 @@ def in_world(size: int, fn, *args):
             dist.destroy_process_group()
         for key in TORCHRUN_VARIABLES:
             os.environ.pop(key, None)
+
+
+def each_in_its_world(fn, runs, world_of) -> list:
+    """Inside a ``spawn`` worker: ``fn(run)`` for each of ``runs`` on ranks ``0..world_of(run)-1`` (:func:`in_world`;
+    ``None`` on the other ranks), so runs of several sizes share one spawn."""
+    os.environ["SPAWN_RANK"] = str(dist.get_rank())  # (what in_world reads)
+    return [in_world(world_of(run), fn, run) for run in runs]
 
 
 def as_torchrun(timeout: float = 300.0, **env: str) -> int:

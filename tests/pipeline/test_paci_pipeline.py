@@ -11,14 +11,13 @@ rules.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+from operator import attrgetter
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from _pipeline_harness import SHRUNK_BATCH, in_world, pipeline_run, reference_run, spawn
+from _pipeline_harness import SHRUNK_BATCH, each_in_its_world, pipeline_run, reference_run, spawn
 from lightning_async.pipeline.schedules import spec
 
 pytestmark = pytest.mark.slow  # starts processes
@@ -51,14 +50,9 @@ def _run(run: Run):
                         prepost=False if run.transport == "nccl-rules" else None, transport=run.transport)
 
 
-def _all_runs():
-    os.environ["SPAWN_RANK"] = str(dist.get_rank())  # (what in_world reads)
-    return [in_world(run.stages, _run, run) for run in RUNS]
-
-
 @pytest.fixture(scope="module")
 def results():
-    return spawn(4, _all_runs)
+    return spawn(4, each_in_its_world, _run, RUNS, attrgetter("stages"))
 
 
 def _merged(results, index: int) -> dict[str, torch.Tensor]:

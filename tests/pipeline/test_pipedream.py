@@ -10,14 +10,13 @@ warm-up) mid-run.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+from operator import attrgetter
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from _pipeline_harness import UNTIED, in_world, pipeline_run, plan_rank, reference_run, spawn
+from _pipeline_harness import UNTIED, each_in_its_world, pipeline_run, plan_rank, reference_run, spawn
 from lightning_async.pipeline.rank import build
 from lightning_async.pipeline.schedules import spec
 
@@ -59,14 +58,9 @@ def _run(run: Run):
                         shard_optimizer=run.replicas > 1, transport=run.transport)
 
 
-def _all_runs():
-    os.environ["SPAWN_RANK"] = str(dist.get_rank())  # (what in_world reads)
-    return [in_world(run.world, _run, run) for run in RUNS]
-
-
 @pytest.fixture(scope="module")
 def results():
-    return spawn(4, _all_runs)
+    return spawn(4, each_in_its_world, _run, RUNS, attrgetter("world"))
 
 
 def _merged(results, index: int, replica: int = 0) -> dict[str, torch.Tensor]:
