@@ -217,7 +217,7 @@ def measured_worker(cfg: dict) -> dict:
         kept = storage_bytes([t for d in deferred for t in d.held], exclude=weights)
         peak["activations"] = max(peak["activations"], sum(act[c] for c, _ in held) + kept)
         grads = [t.grad for t in runtime.params] if runtime.fsdp else [t.grad for slot in runtime.slots for t in slot]
-        grads += [x for pending in runtime.updates.pending.values() for x in pending.grads]
+        grads += [x for group in runtime.update_groups for pending in group.updates.pending.values() for x in pending.grads]
         grads += fsdp_accumulated_grads(runtime.chunks) if runtime.fsdp else []
         peak["grads"] = max(peak["grads"], _nbytes(grads))
 

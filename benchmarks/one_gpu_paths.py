@@ -280,7 +280,7 @@ def pipeline_run(setup: Setup, path: Path) -> dict:
         t.device.type == device.type for state in opt.state.values() for t in state.values()
         if isinstance(t, torch.Tensor) and t.dim() > 0)
     return {"weights": weights, "times": times, "report": report, "peak": peak, "after_build": allocated_after_build,
-            "versions": runtime.rank_clock.versions, "fused_calls": fused["n"],
+            "versions": runtime.versions.clock.versions, "fused_calls": fused["n"],
             "frames": counters["frames"]["ok"] - frames_before, "on_device": on_device}
 
 

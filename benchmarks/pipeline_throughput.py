@@ -66,7 +66,7 @@ PROFILE_CATEGORIES = (
 )
 
 FUSED = "-fused"  # our runtime without pre-posted receives: the fused send/receive groups NCCL runs
-OURS = ("1f1b", "gpipe", "2bw", "2bw-split", "pipedream", "paci", "zbh1", "interleaved", "zbv")
+OURS = ("1f1b", "gpipe", "2bw", "2bw-split", "pipedream", "paci", "wpipe", "zbh1", "interleaved", "zbv")
 # torch's schedules: class name, our schedule with its pieces' layout (chunks per stage, placement), our equivalent
 TORCH = {
     "torch-1F1B": ("Schedule1F1B", "1f1b", "1f1b"),
@@ -174,7 +174,8 @@ def _run_ours(work: Workload, name: str, batches, warm: int, clock: Clock, profi
     rt.compute.backward = clock.trace("B", rt.compute.backward)
     rt.compute.weight_grad = clock.trace("W", rt.compute.weight_grad)
     rt._begin_update = clock.wrap("update", rt._begin_update)
-    rt.updates.apply = clock.wrap("update", rt.updates.apply)
+    for group in rt.update_groups:  # (wpipe: one update pipeline per chunk)
+        group.updates.apply = clock.wrap("update", group.updates.apply)
     rt.transport.receive = clock.wrap("p2p", rt.transport.receive)
     rt.transport.exchange = clock.wrap("p2p", rt.transport.exchange)
     rt.collect_loss = clock.wrap("p2p", rt.collect_loss)

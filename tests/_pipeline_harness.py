@@ -63,10 +63,10 @@ class Workload:
 SMOLLM2 = Workload(make_model, make_batches, eval_batch)
 
 
-def make_deep_model(seed: int = 0) -> SmolLM2:
-    """Six blocks: eight units, enough for two chunks per rank on four ranks (interleaved, ZB-V)."""
+def make_deep_model(seed: int = 0, tie_embeddings: bool = True) -> SmolLM2:
+    """Six blocks: eight units, enough for two chunks per rank on four ranks (interleaved, ZB-V, WPipe untied)."""
     torch.manual_seed(seed)
-    return SmolLM2(model_config("tiny", **{**SHAPE, "num_layers": 6}))
+    return SmolLM2(model_config("tiny", **{**SHAPE, "num_layers": 6}, tie_embeddings=tie_embeddings))
 
 
 DEEP = Workload(make_deep_model, make_batches, eval_batch)
@@ -269,6 +269,28 @@ def each_in_its_world(fn, runs, world_of) -> list:
     ``None`` on the other ranks), so runs of several sizes share one spawn."""
     os.environ["SPAWN_RANK"] = str(dist.get_rank())  # (what in_world reads)
     return [in_world(world_of(run), fn, run) for run in runs]
+
+
+def merged_weights(results: list, index: int, stages: int, replica: int = 0) -> dict[str, torch.Tensor]:
+    """Run ``index`` of an :func:`each_in_its_world` spawn (``results`` by rank): the weights of the stages of
+    ``replica`` (ranks ``replica * stages ..``), in one dict."""
+    merged: dict[str, torch.Tensor] = {}
+    for rank in range(replica * stages, (replica + 1) * stages):
+        merged.update(results[rank][index][0])
+    return merged
+
+
+def worst_difference(weights: dict, reference: dict) -> float:
+    """The largest absolute difference between two weight dicts (over ``weights``' names)."""
+    return max((weights[n] - reference[n]).abs().max().item() for n in weights)
+
+
+def assert_same_bits(results: list, ours: int, theirs: int, ranks: int) -> None:
+    """Runs ``ours`` and ``theirs`` of a spawn (NCCL's matching rules and gloo's tags) trained to the same bits and
+    reported the same losses on ranks ``0 .. ranks - 1``."""
+    for rank in range(ranks):
+        a, b = results[rank][ours], results[rank][theirs]
+        assert all(torch.equal(a[0][n], b[0][n]) for n in a[0]) and a[1] == b[1], f"rank {rank}"
 
 
 def as_torchrun(timeout: float = 300.0, **env: str) -> int:

@@ -47,8 +47,21 @@ class UpdateClock:
     def piece(self, piece: int) -> PieceClock:
         return self.pieces[piece]
 
+    def update_groups(self, stage: int) -> tuple[tuple[tuple[int, ...], PieceClock], ...]:
+        """The chunks of rank ``stage`` that update together, each group with its clock: one group of every chunk
+        (:meth:`rank`), or one per chunk where the schedule updates chunks on their own (``wpipe``). A ``U`` action's
+        ``chunk`` is its group's index."""
+        if self.schedule.update_per_chunk:
+            return tuple(((c,), self.chunk(stage, c)) for c in range(self.schedule.chunks))
+        return ((tuple(range(self.schedule.chunks)), self.rank(stage)),)
+
+    def chunk(self, stage: int, chunk: int) -> PieceClock:
+        """The clock of chunk ``chunk`` of rank ``stage`` (its piece's)."""
+        return self.pieces[self.schedule.piece(stage, chunk, self.num_stages)]
+
     def rank(self, stage: int) -> PieceClock:
-        """The clock of rank ``stage``: its chunks form one parameter list updated at once, so they share a delay."""
+        """The clock of rank ``stage`` whose chunks form one parameter list updated at once, so they share a delay
+        (:meth:`update_groups` for a schedule whose chunks update on their own)."""
         chunks = range(self.schedule.chunks)
         delays = {self.pieces[self.schedule.piece(stage, c, self.num_stages)].delay for c in chunks}
         if len(delays) != 1:
@@ -85,10 +98,10 @@ class UpdateClock:
         backwards recompute at the new weights); 0 where every forward of a batch reads one version."""
         return 0 if self.schedule.stash else self._stale_forwards[stage]
 
-    def forward_reads(self, stage: int, batch: int, index: int) -> int:
-        """Updates contained in the weights the forward of the ``index``-th micro-batch of ``batch`` reads on rank
-        ``stage`` (its backward reads ``rank(stage).updates_read(batch)``)."""
-        read = self.rank(stage).updates_read(batch)
+    def forward_reads(self, stage: int, batch: int, index: int, chunk: int = 0) -> int:
+        """Updates contained in the weights the forward of the ``index``-th micro-batch of ``batch`` reads on chunk
+        ``chunk`` of rank ``stage`` (its backward reads ``chunk(stage, chunk).updates_read(batch)``)."""
+        read = self.chunk(stage, chunk).updates_read(batch)
         return read - 1 if index < self.stale_forwards(stage) and read > 0 else read
 
     @cached_property
@@ -131,4 +144,6 @@ class UpdateClock:
         """Rank ``stage`` begins a batch's update in an earlier call than another rank that joins the update's
         cross-stage reductions (norm, tied weights): it holds them back until its next call (or a drain), so that an
         NCCL reduction never waits on this device across a step boundary (see the runtime)."""
+        if not self.schedule.uniform_delay:
+            return False  # (its stages update a batch in different calls: no cross-stage reduction is allowed)
         return self._begin_offsets[stage] < max(self._begin_offsets)

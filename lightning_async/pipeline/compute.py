@@ -28,28 +28,30 @@ _NO_COLLECTION = contextlib.nullcontext()  # (reusable: a whole backward collect
 
 class ChunkCompute:
     """The forwards and backwards of a rank's ``chunks`` (one per piece it holds, ``pieces[c]`` the model piece of
-    chunk ``c``, ``last_piece`` the model's last), reading and accumulating into ``versions``."""
+    chunk ``c``, ``last_piece`` the model's last), reading and accumulating into ``versions[c]`` (the weight versions
+    of chunk ``c``'s update group: the same for every chunk unless the schedule updates chunks on their own)."""
 
-    def __init__(self, chunks: Sequence[nn.Module], params: Sequence[torch.Tensor], pieces: Sequence[int],
-                 last_piece: int, versions: WeightVersions, n_microbatches: int, loss_fn: Callable,
+    def __init__(self, chunks: Sequence[nn.Module], versions: Sequence[WeightVersions], pieces: Sequence[int],
+                 last_piece: int, n_microbatches: int, loss_fn: Callable,
                  autocast: Callable = contextlib.nullcontext, context_fn: Callable | None = None,
                  activation_checkpointing: bool = False, split_backward: bool = False, fsdp: bool = False,
                  hooks: StepHooks | None = None, device: torch.device | None = None, stale_forwards: int = 0) -> None:
-        self.chunks, self.pieces, self.last_piece, self.versions = list(chunks), list(pieces), last_piece, versions
+        self.chunks, self.pieces, self.last_piece, self.versions = list(chunks), list(pieces), last_piece, list(versions)
         self.n_microbatches, self.loss_fn, self.autocast, self.context_fn = n_microbatches, loss_fn, autocast, context_fn
         self.activation_checkpointing, self.fsdp, self.device = bool(activation_checkpointing), fsdp, device
         self.hooks = hooks or StepHooks()
         #: a batch's first ``stale_forwards`` forwards run before the previous batch's update lands on the one version
         #: (``paci``): their backwards recompute the chunk at the updated weights (``pipeline.paci``)
         self.stale_forwards = stale_forwards
-        index = {id(p): i for i, p in enumerate(params)}
+        index = [{id(p): i for i, p in enumerate(v.params)} for v in self.versions]
         #: per chunk: its forward with a version's weights in place of its parameters (every name a weight has in
-        #: the chunk -> its index in ``params``; not under FSDP, whose parameters are the storage it gathers from)
+        #: the chunk -> its index in a version; not under FSDP, whose parameters are the storage it gathers from)
         self.swaps = [] if fsdp else [
-            WeightSwap(c, {n: index[id(p)] for n, p in c.named_parameters(remove_duplicate=False)}) for c in self.chunks
+            WeightSwap(c, {n: index[k][id(p)] for n, p in c.named_parameters(remove_duplicate=False)})
+            for k, c in enumerate(self.chunks)
         ]
         #: per chunk: the positions of its weights in a version (what a recomputed backward differentiates)
-        self.chunk_weights = [sorted({index[id(p)] for p in c.parameters()}) for c in self.chunks]
+        self.chunk_weights = [sorted({index[k][id(p)] for p in c.parameters()}) for k, c in enumerate(self.chunks)]
         if split_backward:
             for chunk in self.chunks:
                 split_linear_backward(chunk)
@@ -70,12 +72,12 @@ class ChunkCompute:
             if self.context_fn is not None:  # under autocast, as in the module's own forward
                 kwargs["context"] = self.context_fn(inputs)
             if self.fsdp:
-                self.versions.hold_read_by(batch) if training else self.versions.hold_newest()
+                self.versions[chunk].hold_read_by(batch) if training else self.versions[chunk].hold_newest()
                 y = self.chunks[chunk](x, **kwargs)  # FSDP gathers the chunk's weights (of the version held)
             elif training and mb % self.n_microbatches < self.stale_forwards:
                 y = self._recomputed_at_backward(chunk, batch, x, kwargs)
             elif training:  # autograd accumulates into the batch's version
-                with self.swaps[chunk].using(self.versions.read_by(batch)):
+                with self.swaps[chunk].using(self.versions[chunk].read_by(batch)):
                     y = self.chunks[chunk](x, **kwargs)
             else:  # the module's parameters show the newest weights
                 y = self.chunks[chunk](x, **kwargs)
@@ -90,7 +92,7 @@ class ChunkCompute:
     def _recomputed_at_backward(self, chunk: int, batch: int, x, kwargs: dict):
         """The chunk on ``x`` now, with no graph; its backward recomputes it at the weights the version holds then
         (updated in place in between) and accumulates the weight gradients there."""
-        version = self.versions.read_by(batch)
+        version = self.versions[chunk].read_by(batch)
         swap, module = self.swaps[chunk], self.chunks[chunk]
 
         def run(value, _previous: bool):
@@ -109,7 +111,7 @@ class ChunkCompute:
             self.backwards_begun.add(batch)
             self.hooks.before_backward(batch, outputs[0] if last else torch.full((), float("nan"), device=self.device))
         if self.fsdp:  # FSDP gathers again: the forward's version; reduce-scatter once per batch, at its last backward
-            self.versions.hold_read_by(batch)
+            self.versions[chunk].hold_read_by(batch)
             set_gradient_sync(self.chunks[chunk], mb % self.n_microbatches == self.n_microbatches - 1)
         deferred = DeferredWeightGrads() if split else None
         with deferred.collecting() if split else _NO_COLLECTION:

@@ -73,6 +73,12 @@ def version_prefix(age: int) -> str:
     return VERSION if age == 1 else f"version{age}/"
 
 
+def version_groups(runtime: dict) -> list[dict]:
+    """The weight versions of a runtime state (``PipelineRuntime.state_dict``) per update group: each a dict of
+    ``slots`` and ``newest_slot`` (one group: the state itself)."""
+    return runtime.get("update_groups") or [runtime]
+
+
 def _optimizer_order(optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
@@ -93,11 +99,14 @@ def rank_state(checkpoint: dict, optimizer, params: Sequence[torch.Tensor], name
                 flat.update({GROUP + name: hyper for name in names[id(order[index])]})
     runtime = checkpoint.get("pipeline_runtime")
     if runtime is not None:
-        newest = runtime["newest_slot"]
-        for s, slot in enumerate(runtime["slots"]):
-            if s != newest:
-                prefix = version_prefix(slot_age(s, runtime["batches_done"], len(runtime["slots"])))
-                flat.update({prefix + name: t for p, t in zip(params, slot) for name in names[id(p)]})
+        start = 0
+        for group in version_groups(runtime):  # (each group's slots hold a run of ``params``, in order)
+            count = len(group["slots"][0])
+            for s, slot in enumerate(group["slots"]):
+                if s != group["newest_slot"]:
+                    prefix = version_prefix(slot_age(s, runtime["batches_done"], len(group["slots"])))
+                    flat.update({prefix + name: t for p, t in zip(params[start:start + count], slot) for name in names[id(p)]})
+            start += count
         settings = {}
         for key, value in (runtime.get("correction") or {}).items():
             if isinstance(value, list):
@@ -107,7 +116,7 @@ def rank_state(checkpoint: dict, optimizer, params: Sequence[torch.Tensor], name
                 settings[key] = value
         if with_trainer:
             flat[RUNTIME] = _blob({"schedule": runtime["schedule"], "batches_done": runtime["batches_done"],
-                                   "newest_slot": newest, "versions": len(runtime["slots"]), "correction": settings})
+                                   "versions": [len(g["slots"]) for g in version_groups(runtime)], "correction": settings})
     if with_trainer:
         rest = {k: v for k, v in checkpoint.items() if k not in _BY_NAME}
         rest[_GROUPS] = len(optimizer.param_groups) if optimizer is not None else 0
@@ -189,14 +198,18 @@ class RankRequest:
         keys: :func:`saved_keys` of the checkpoint.
         state_dict: this rank's module state dict (the names and shapes it needs).
         optimizer: this rank's optimizer (its groups and parameter order), or ``None`` (evaluation).
-        params: the runtime's parameters, in slot order; ``versions``: its weight slots (1 or 2).
+        params: the runtime's parameters, in slot order; ``versions``: its weight slots (an int), or per update group
+            ``(parameters, slots)`` (the runtime's ``version_layout``: each group a run of ``params``).
         names: :func:`parameter_names` of this rank's module; ``owned``: per parameter, whether this rank keeps its
             optimizer state and correction buffers (``None``: all).
     """
 
-    def __init__(self, keys, state_dict: dict, optimizer, params: Sequence[torch.Tensor], versions: int,
-                 names: dict[int, list[str]], owned: Sequence[bool] | None = None) -> None:
-        self.keys, self.optimizer, self.params, self.versions, self.names = keys, optimizer, list(params), versions, names
+    def __init__(self, keys, state_dict: dict, optimizer, params: Sequence[torch.Tensor],
+                 versions: int | Sequence[tuple[int, int]], names: dict[int, list[str]],
+                 owned: Sequence[bool] | None = None) -> None:
+        self.keys, self.optimizer, self.params, self.names = keys, optimizer, list(params), names
+        self.layout = [(len(self.params), versions)] if isinstance(versions, int) else [tuple(g) for g in versions]
+        per_param = [n for count, n in self.layout for _ in range(count)]
         self.owned = [True] * len(self.params) if owned is None else list(owned)
         missing = [k for k in state_dict if MODEL + k not in keys]
         if missing:
@@ -213,7 +226,7 @@ class RankRequest:
         self.optimizer_keys: dict[int, tuple[str, list[str]]] = {}  # parameter index -> (saved name, its state keys)
         for i, p in enumerate(self.params):
             aliases = names[id(p)]
-            for age in range(1, versions):
+            for age in range(1, per_param[i]):
                 if (alias := _first_saved(version_prefix(age), aliases, keys)) is not None:
                     self.flat[version_prefix(age) + alias] = _empty_like(p)
             if alias := _first_saved(GROUP, aliases, keys):
@@ -273,18 +286,22 @@ class RankRequest:
         """The slots in this rank's ring: the version ``a`` updates behind the newest where the next batches read it.
         A version the saving layout did not keep (it was less stale there) is the stalest one it kept (a flushing
         run's: the newest)."""
-        batches, n = saved["batches_done"], self.versions
-        by_age = [[self._of(MODEL, p) for p in self.params]]
-        for age in range(1, n):
-            kept = [self._of(version_prefix(age), p) for p in self.params]
-            by_age.append([k if k is not None else older for k, older in zip(kept, by_age[-1])])
-        slots = [by_age[slot_age(slot, batches, n)] for slot in range(n)]
-        newest_slot = next(slot for slot in range(n) if slot_age(slot, batches, n) == 0)
+        batches, groups, start = saved["batches_done"], [], 0
+        for count, n in self.layout:
+            params = self.params[start:start + count]
+            start += count
+            by_age = [[self._of(MODEL, p) for p in params]]
+            for age in range(1, n):
+                kept = [self._of(version_prefix(age), p) for p in params]
+                by_age.append([k if k is not None else older for k, older in zip(kept, by_age[-1])])
+            groups.append({"slots": [by_age[slot_age(slot, batches, n)] for slot in range(n)],
+                           "newest_slot": next(slot for slot in range(n) if slot_age(slot, batches, n) == 0)})
         buffers = {key[len(CORRECTION):].split("/", 1)[0] for key in self.flat if key.startswith(CORRECTION)}
         correction = dict(saved["correction"])
         correction.update({b: [self._of(f"{CORRECTION}{b}/", p) for p in self.params] for b in buffers})
-        return {"schedule": saved["schedule"], "batches_done": saved["batches_done"], "slots": slots,
-                "newest_slot": newest_slot, "correction": correction or None}
+        versions = groups[0] if len(groups) == 1 else {"update_groups": groups}
+        return {"schedule": saved["schedule"], "batches_done": saved["batches_done"], **versions,
+                "correction": correction or None}
 
 
 def consolidated_weights(directory: str) -> dict[str, torch.Tensor]:

@@ -79,22 +79,24 @@ def inflight_and_versions(schedule: "str | ScheduleSpec", lists: Sequence[Sequen
     last = WEIGHT_GRAD if s_.split_backward else BACKWARD
     peaks, versions = [], []
     clock = s_.clock(len(lists))
+    group = (lambda chunk: chunk) if s_.update_per_chunk else (lambda chunk: 0)  # (wpipe: each chunk its versions)
     for rank, actions in enumerate(lists):
-        versions_read = clock.rank(rank).updates_read
-        reading: dict[int, int] = {}  # batch -> (chunk, micro-batch) pairs whose last backward action is to come
-        updates, peak, live_peak, count = 0, 0, 1, 0
+        clocks = [c for _, c in clock.update_groups(rank)]
+        reading: list[dict[int, int]] = [{} for _ in clocks]  # per group: batch -> actions whose last backward is to come
+        updates, peak, live_peak, count = [0] * len(clocks), 0, 1, 0
         for a in actions:
             count += _activation_changes(a, 0.0, 0.0)[1]
+            g = group(a.chunk)
             if a.kind == FORWARD:
-                reading[a.batch] = reading.get(a.batch, 0) + 1
+                reading[g][a.batch] = reading[g].get(a.batch, 0) + 1
             elif a.kind == last:
-                reading[a.batch] -= 1
-                if not reading[a.batch]:
-                    del reading[a.batch]
+                reading[g][a.batch] -= 1
+                if not reading[g][a.batch]:
+                    del reading[g][a.batch]
             elif a.kind == UPDATE:
-                updates += 1
+                updates[g] += 1
             peak = max(peak, count)
-            live = {updates} | {versions_read(b) for b in reading}
+            live = {updates[g]} | {clocks[g].updates_read(b) for b in reading[g]}
             live_peak = max(live_peak, len(live))
         peaks.append(peak / s_.chunks if s_.chunks > 1 else peak)
         versions.append(live_peak)
@@ -158,10 +160,11 @@ def schedule_memory(
     clock = s_.clock(p)
     out = []
     for r in range(p):
-        versions = clock.rank(r).versions
+        groups = clock.update_groups(r)  # (wpipe: each chunk, half the rank's weights, its own versions)
+        versions = sum(c.versions * len(chunks) for chunks, c in groups) / s_.chunks
         weight_copies = versions + (1 if fsdp and versions > 1 else 0)  # (FSDP: the parameters' shards beside them)
         row = {
-            "weights": weight_copies * params[r] // (data_parallel_size if fsdp else 1), "gradients": grads[r],
+            "weights": int(weight_copies * params[r]) // (data_parallel_size if fsdp else 1), "gradients": grads[r],
             "optimizer": opt[r] // share,
             "correction": correction_buffers * params[r] // share, "activations": int(round(activations[r])),
             "inflight_microbatches": inflight[r],

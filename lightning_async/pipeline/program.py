@@ -14,7 +14,7 @@ Step kinds:
   piece before, ``("grad", piece)`` from the piece after), ``remote_input`` whether that is another rank (a
   receive) or a chunk of this rank (a hand-over); ``target``/``remote_output`` the same for the output.
 * ``BEGIN_UPDATE`` (a schedule's ``U``): the batch's last backward is done; take its gradients and start their
-  reductions.
+  reductions. On the update steps ``chunk`` names the rank's update group (0 unless chunks update on their own).
 * ``APPLY_UPDATE``: apply the update of ``batch`` (if not applied yet). A flushing schedule applies it right after
   it began; under 2BW it is applied when its reductions have finished (``poll`` steps) and at the latest at the
   start of the call that reads the version it writes. ``barrier``: also wait there for that version's weights from
@@ -102,48 +102,54 @@ def _channels(spec: ScheduleSpec, rank: int, num_stages: int, action: Action) ->
 
 
 @lru_cache(maxsize=256)
-def _rank_clock(spec: ScheduleSpec, num_stages: int, rank: int):
-    """``spec.clock(num_stages).rank(rank)`` and whether the rank holds its reductions back a call (the clock's
-    ``defers_reductions``), built once per schedule, size and rank (:func:`lower` runs per call)."""
+def _update_clocks(spec: ScheduleSpec, num_stages: int, rank: int):
+    """The clocks of ``rank``'s update groups (``spec.clock(num_stages).update_groups(rank)``) and whether the rank
+    holds its reductions back a call (the clock's ``defers_reductions``), built once per schedule, size and rank
+    (:func:`lower` runs per call)."""
     clock = spec.clock(num_stages)
-    return clock.rank(rank), clock.defers_reductions(rank)
+    return tuple(c for _, c in clock.update_groups(rank)), clock.defers_reductions(rank)
 
 
 def lower(spec: ScheduleSpec, rank: int, num_stages: int, actions: tuple[Action, ...] | list[Action],
-          start: tuple[int, ...] = (), apply_first: tuple[int, ...] = (), apply_last: tuple[int, ...] = ()) -> tuple[Step, ...]:
+          start: tuple[tuple[int, int], ...] = (), apply_first: tuple[tuple[int, int], ...] = (),
+          apply_last: tuple[tuple[int, int], ...] = ()) -> tuple[Step, ...]:
     """The program of ``actions`` (one call's, or a drain's) on ``rank``.
 
-    ``start``: batches whose held-back reductions start first (``START_REDUCTIONS``). ``apply_first`` /
-    ``apply_last``: batches whose updates are applied (with a ``barrier``) before the first / after the last step
-    (the clock's ``due_before(call)``; a drain applies every update). Every ``U`` becomes ``BEGIN_UPDATE``,
-    followed at once by ``APPLY_UPDATE`` where the rank's clock applies updates at once (a flushing schedule) and
-    the rank does not hold the update's reductions back to its next call (``paci``'s last stage: waiting for them
-    at the end of its call would wait for another rank's next call across whatever the step does in between, so
-    the update is applied at the start of its next call, by ``apply_first``, before any forward reads it).
+    ``start``, ``apply_first``, ``apply_last`` hold ``(batch, group)`` pairs (``group``: the rank's update group,
+    :meth:`~lightning_async.pipeline.clock.UpdateClock.update_groups`; 0 where the rank updates its chunks at once).
+    ``start``: updates whose held-back reductions start first (``START_REDUCTIONS``). ``apply_first`` /
+    ``apply_last``: updates applied (with a ``barrier``) before the first / after the last step (the clock's
+    ``due_before(call)``; a drain applies every update). Every ``U`` becomes ``BEGIN_UPDATE`` of its group (the
+    step's ``chunk``), followed at once by ``APPLY_UPDATE`` where the group's clock applies updates at once (a
+    flushing schedule, WPipe's second chunk) and the rank does not hold the update's reductions back to its next call
+    (``paci``'s last stage: waiting for them at the end of its call would wait for another rank's next call across
+    whatever the step does in between, so the update is applied at the start of its next call, by ``apply_first``,
+    before any forward reads it).
     """
-    clock, defers = _rank_clock(spec, num_stages, rank)
-    raw: list[dict] = [dict(kind=START_REDUCTIONS, batch=b) for b in start]
-    raw += [dict(kind=APPLY_UPDATE, batch=b, barrier=True) for b in apply_first]
+    clocks, defers = _update_clocks(spec, num_stages, rank)
+    raw: list[dict] = [dict(kind=START_REDUCTIONS, batch=b, chunk=g) for b, g in start]
+    raw += [dict(kind=APPLY_UPDATE, batch=b, chunk=g, barrier=True) for b, g in apply_first]
     for a in actions:
         if a.kind == UPDATE:
-            raw.append(dict(kind=BEGIN_UPDATE, batch=a.batch, microbatch=a.microbatch))
-            if clock.applies_at_once and not defers:
-                raw.append(dict(kind=APPLY_UPDATE, batch=a.batch, microbatch=a.microbatch))
+            raw.append(dict(kind=BEGIN_UPDATE, batch=a.batch, microbatch=a.microbatch, chunk=a.chunk))
+            if clocks[a.chunk].applies_at_once and not defers:
+                raw.append(dict(kind=APPLY_UPDATE, batch=a.batch, microbatch=a.microbatch, chunk=a.chunk))
             continue
         if a.kind not in COMPUTE:
             raise ValueError(f"unknown action kind {a.kind!r} in {a!r}")
         piece, source, remote_in, target, remote_out = _channels(spec, rank, num_stages, a)
         raw.append(dict(kind=a.kind, batch=a.batch, microbatch=a.microbatch, chunk=a.chunk, piece=piece,
                         source=source, remote_input=remote_in, target=target, remote_output=remote_out))
-    raw += [dict(kind=APPLY_UPDATE, batch=b, barrier=True) for b in apply_last]
+    raw += [dict(kind=APPLY_UPDATE, batch=b, chunk=g, barrier=True) for b, g in apply_last]
     receives = [r["source"] if r.get("remote_input") else None for r in raw]
+    polls = not all(c.applies_at_once for c in clocks)
     ahead: Channel | None = None  # the first remote receive after step k, filled from the end
     steps = []
     for k in range(len(raw) - 1, -1, -1):
         nxt = receives[k + 1] if k + 1 < len(raw) else None
         compute_or_begin = raw[k]["kind"] in (*COMPUTE, BEGIN_UPDATE)
         steps.append(Step(**raw[k], prepost=ahead if compute_or_begin else None, next_receive=nxt,
-                          poll=not clock.applies_at_once and compute_or_begin))
+                          poll=polls and compute_or_begin))
         ahead = receives[k] or ahead
     return tuple(reversed(steps))
 
@@ -164,13 +170,12 @@ class CallPrograms:
         self._programs: dict[tuple, tuple[Step, ...]] = {}
         self.lowered = 0  # programs lowered so far (cache misses; for tests and benchmarks)
 
-    def get(self, actions: tuple[Action, ...] | list[Action], batch: int, start: tuple[int, ...] = (),
-            apply_first: tuple[int, ...] = (), apply_last: tuple[int, ...] = ()) -> tuple[Step, ...]:
+    def get(self, actions: tuple[Action, ...] | list[Action], batch: int, start: tuple[tuple[int, int], ...] = (),
+            apply_first: tuple[tuple[int, int], ...] = (), apply_last: tuple[tuple[int, int], ...] = ()) -> tuple[Step, ...]:
         """The program of ``actions`` (see :func:`lower`) relative to ``batch``."""
         mb0 = batch * self.n_microbatches
         key = (tuple([(a.kind, a.microbatch - mb0, a.batch - batch, a.chunk) for a in actions]),
-               tuple([b - batch for b in start]), tuple([b - batch for b in apply_first]),
-               tuple([b - batch for b in apply_last]))
+               *(tuple([(b - batch, g) for b, g in pairs]) for pairs in (start, apply_first, apply_last)))
         program = self._programs.get(key)
         if program is None:
             if len(self._programs) >= self.size:

@@ -64,11 +64,12 @@ def check_message_order(
     nccl = backend == "nccl" or device_type == "cuda"
     if stages < 2 or not (nccl or check_transport(transport) == "nccl-rules"):
         return
-    if lists is None:
-        lists = [spec.run_actions(r, stages, n_microbatches, 1) for r in range(stages)]
+    if lists is None:  # (a delayed schedule: three calls, to reach the steady state of its stream)
+        lists = [spec.run_actions(r, stages, n_microbatches, 3 if spec.delayed else 1) for r in range(stages)]
     where = "NCCL (no tags)" if nccl else "transport='nccl-rules' (tag 0 everywhere, as on NCCL)"
-    fix = ("Use a built-in schedule (every one is ordered for NCCL), or run it on CPUs (gloo)" if nccl else
-           "Use a built-in schedule (every one is ordered for NCCL), or transport='auto' on gloo (its tags match any order)")
+    others = ("Use another schedule (every built-in one is ordered for NCCL but 'wpipe' on 2 stages: there one pair of "
+              "ranks carries both chunks' activations and gradients, whose order the stream interleaves), or 3+ stages")
+    fix = f"{others}, or run it on CPUs (gloo)" if nccl else f"{others}, or transport='auto' on gloo (its tags match any order)"
     mismatches = message_order_mismatches(spec, lists, per_channel=False)
     if mismatches:
         raise ValueError(

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -48,6 +49,17 @@ from lightning_async.pipeline.stage import PieceModule
 from lightning_async.pipeline.updates import UpdatePipeline
 from lightning_async.pipeline.versions import WeightVersions, tensor_bytes
 
+
+
+@dataclass
+class UpdateGroup:
+    """Chunks of a rank that update together (all of them, or one each under ``wpipe``): their parameters (a slice of
+    the rank's), weight versions and update pipeline."""
+
+    chunks: tuple[int, ...]
+    params: list[torch.Tensor]
+    versions: WeightVersions
+    updates: UpdatePipeline
 
 
 class PipelineRuntime:
@@ -129,9 +141,6 @@ class PipelineRuntime:
         self.params = [named[n] for n in self.names]
         stages = g.num_stages
         self.clock = self.spec.clock(stages)
-        self.rank_clock = self.clock.rank(g.stage)
-        if correction is not None:  # (a k-step correction needs each parameter's delay; 2BW's is the default 1)
-            correction.set_delays({p: self.rank_clock.delay for p in self.params})
         self.pieces = [self.spec.piece(g.stage, c, stages) for c in range(self.spec.chunks)]  # each chunk's piece
         self.last_piece = self.spec.virtual_stages(stages) - 1
         self.is_first, self.is_last = 0 in self.pieces, self.last_piece in self.pieces
@@ -140,18 +149,14 @@ class PipelineRuntime:
             g.p2p, self.device, lambda piece: g.mesh.rank_of(self.spec.holder(piece, stages)[0], g.replica), g.stage_of_rank,
             name=f"pipeline stage {g.stage}" + (f" (last unit {last_unit!r})" if last_unit else ""), transport=transport,
         )
-        self.versions = WeightVersions(self.params, self.rank_clock, fsdp)
+        self.update_groups = self._make_update_groups(g, fsdp, shard_optimizer, gradient_clip_val, correction,
+                                                      tied_parameters, count_tied_in_norm)
+        self._group_of_chunk = {c: k for k, group in enumerate(self.update_groups) for c in group.chunks}
         self.compute = ChunkCompute(
-            self.chunks, self.params, self.pieces, self.last_piece, self.versions, n_microbatches, loss_fn, autocast,
+            self.chunks, [self.update_groups[self._group_of_chunk[c]].versions for c in range(len(self.chunks))],
+            self.pieces, self.last_piece, n_microbatches, loss_fn, autocast,
             context_fn, activation_checkpointing, self.spec.split_backward, fsdp, self.hooks, self.device,
             stale_forwards=self.clock.stale_forwards(g.stage),
-        )
-        self.shards = self._make_shards() if shard_optimizer else None
-        tied = [self.names.index(n) for n in tied_parameters]
-        self.updates = UpdatePipeline(
-            optimizer, self.versions, g, self.device, gradient_clip_val, correction, tied, count_tied_in_norm,
-            wait_tied_sum=self.is_first, defer_reductions=self.clock.defers_reductions(g.stage), shards=self.shards,
-            hooks=self.hooks,
         )
         self.losses = LossReduction(g, self.device, n_microbatches)
         self._programs = CallPrograms(self.spec, g.stage, stages, n_microbatches)  # each call shape lowered once
@@ -161,6 +166,38 @@ class PipelineRuntime:
         self.batch_shape: tuple | None = None  # signature (structure, dtypes, shapes) of the last batch's inputs
         self._handover: dict[tuple[str, int, int], object] = {}  # (kind, chunk, mb) -> a value between two chunks of this rank
         self._batch_data: dict[int, tuple[list, list]] = {}
+
+    def _make_update_groups(self, g: PipelineGroups, fsdp: bool, shard_optimizer: bool, clip, correction,
+                            tied_parameters: Sequence[str], count_tied_in_norm: bool) -> list["UpdateGroup"]:
+        """The rank's update groups (the clock's ``update_groups``): each with its parameters (a slice of
+        ``self.params``: the chunks' parameters come in chunk order), weight versions and update pipeline."""
+        clock_groups = self.clock.update_groups(g.stage)
+        if len(clock_groups) > 1 and (fsdp or shard_optimizer):
+            raise ValueError(
+                f"Schedule {self.spec.name!r} updates each chunk of a rank on its own; the sharded optimizer and FSDP "
+                "do not support per-chunk updates yet. Use shard_optimizer=False and fsdp=False, or schedule='2bw'."
+            )
+        shards = self._make_shards() if shard_optimizer else None
+        defers = self.clock.defers_reductions(g.stage)
+        out, named, delays = [], dict(self.module.named_parameters()), {}
+        for chunks, clock in clock_groups:
+            ids = {id(p) for c in chunks for p in self.chunks[c].parameters()}
+            names = [n for n in self.names if id(named[n]) in ids]
+            params = [named[n] for n in names]
+            delays.update({p: clock.delay for p in params})
+            versions = WeightVersions(params, clock, fsdp)
+            tied = [names.index(n) for n in tied_parameters if n in names]
+            updates = UpdatePipeline(
+                self.optimizer, versions, g, self.device, clip, correction, tied, count_tied_in_norm,
+                wait_tied_sum=self.is_first, defer_reductions=defers, shards=shards, hooks=self.hooks,
+            )
+            out.append(UpdateGroup(tuple(chunks), params, versions, updates))
+        if correction is not None:  # (a k-step correction needs each parameter's delay; 2BW's is the default 1)
+            correction.set_delays(delays)
+        if [p for group in out for p in group.params] != self.params:
+            raise AssertionError("the update groups must cover the rank's parameters in order, each once")
+        self.shards = shards
+        return out
 
     def _make_shards(self) -> OptimizerShards:
         g = self.groups
@@ -174,13 +211,29 @@ class PipelineRuntime:
                                lambda replica: g.mesh.rank_of(g.stage, replica))
 
     @property
+    def versions(self) -> WeightVersions:
+        """The rank's weight versions (a rank that updates its chunks together; else each group's ``versions``)."""
+        return self._single_group().versions
+
+    @property
+    def updates(self) -> UpdatePipeline:
+        """The rank's update pipeline (a rank that updates its chunks together; else each group's ``updates``)."""
+        return self._single_group().updates
+
+    def _single_group(self) -> "UpdateGroup":
+        if len(self.update_groups) != 1:
+            raise AttributeError(f"schedule {self.schedule!r} updates each chunk on its own: use runtime.update_groups")
+        return self.update_groups[0]
+
+    @property
     def slots(self) -> list[list[torch.Tensor]]:
-        """The weight versions' slots (see :class:`~lightning_async.pipeline.versions.WeightVersions`)."""
-        return self.versions.slots
+        """The weight versions' slots (see :class:`~lightning_async.pipeline.versions.WeightVersions`; several update
+        groups: each group's slots in turn, each over that group's parameters)."""
+        return [slot for group in self.update_groups for slot in group.versions.slots]
 
     def newest(self) -> list[torch.Tensor]:
-        """The newest weights."""
-        return self.versions.newest()
+        """The newest weights (in the order of ``params``)."""
+        return [t for group in self.update_groups for t in group.versions.newest()]
 
     @property
     def loss_fn(self) -> Callable:
@@ -191,13 +244,15 @@ class PipelineRuntime:
     def loss_fn(self, fn: Callable) -> None:
         self.compute.loss_fn = fn
 
-    def _begin_update(self, batch: int) -> None:
-        """The rank's last backward of ``batch`` is done: Lightning's ``on_after_backward``, then the update begins."""
+    def _begin_update(self, batch: int, group: int) -> None:
+        """The last backward of ``batch`` on update group ``group`` is done: Lightning's ``on_after_backward``, then
+        the update begins."""
+        versions, updates = self.update_groups[group].versions, self.update_groups[group].updates
         if self.hooks.active:
             self.compute.backwards_begun.discard(batch)
-            with self.hooks.gradients_shown(self.params, [t.grad for t in self.versions.gradient_holders(batch)]):
+            with self.hooks.gradients_shown(versions.params, [t.grad for t in versions.gradient_holders(batch)]):
                 self.hooks.after_backward(batch)
-        self.updates.begin(batch)
+        updates.begin(batch)
 
     # ---- calls ------------------------------------------------------------------------------------
     def _microbatches(self, inputs, targets) -> tuple[list, list]:
@@ -225,13 +280,16 @@ class PipelineRuntime:
         """Dispatch each step of the rank's lowered program (:mod:`~lightning_async.pipeline.program`) on its kind.
         ``base``: the batch the program's batch and micro-batch numbers are relative to (a cached call program,
         :class:`~lightning_async.pipeline.program.CallPrograms`; 0 for an absolute one)."""
-        t, updates, compute, n = self.transport, self.updates, self.compute, self.n_microbatches
+        t, compute, n = self.transport, self.compute, self.n_microbatches
+        pipelines = [group.updates for group in self.update_groups]
         batch_data, mb0 = self._batch_data, base * n
         for step in program:
             kind = step.kind
             batch = step.batch + base
-            if step.poll and updates.pending:
-                updates.apply_ready()
+            if step.poll:
+                for updates in pipelines:
+                    if updates.pending:
+                        updates.apply_ready()
             if kind == FORWARD:
                 mb = step.microbatch + mb0
                 i = mb % n
@@ -244,16 +302,16 @@ class PipelineRuntime:
                     continue
                 self._output(y, step, None if preposted else step.next_receive, mb)
             elif kind == APPLY_UPDATE:
-                updates.apply_if_pending(batch)
+                pipelines[step.chunk].apply_if_pending(batch)
                 if step.barrier:
-                    updates.finish_weight_transfers(through=batch)
+                    pipelines[step.chunk].finish_weight_transfers(through=batch)
             elif kind == START_REDUCTIONS:
-                updates.start_reductions(batch)
+                pipelines[step.chunk].start_reductions(batch)
             elif kind == BEGIN_UPDATE or kind == WEIGHT_GRAD:
                 if step.prepost is not None:
                     t.prepost(*step.prepost)
                 if kind == BEGIN_UPDATE:
-                    self._begin_update(batch)
+                    self._begin_update(batch, step.chunk)
                 else:
                     compute.weight_grad(step.chunk, step.microbatch + mb0)
             else:  # BACKWARD, INPUT_GRAD
@@ -320,10 +378,12 @@ class PipelineRuntime:
             self.started = b
         self.transport.begin_call()  # frees the sends of two calls ago (gloo never frees them by itself)
         self._batch_data[b] = self._microbatches(inputs, targets)
-        self.updates.record_hyperparameters(b)
+        groups = self.update_groups
+        for group in groups:
+            group.updates.record_hyperparameters(b)
         actions = self.spec.checked_call_actions(self.groups.stage, self.groups.num_stages, self.n_microbatches, b, self.started)
-        due = self.rank_clock.due_before(b)
-        program = self._programs.get(actions, b, start=self.updates.held_back(), apply_first=() if due is None else (due,))
+        due = tuple((d, k) for k, group in enumerate(groups) if (d := group.versions.clock.due_before(b)) is not None)
+        program = self._programs.get(actions, b, start=self._held_back(), apply_first=due)
         self._run(program, base=b)
         if self.fsdp:
             self.versions.hold_newest()  # between calls the module shows the newest weights, as without FSDP
@@ -349,11 +409,18 @@ class PipelineRuntime:
     def _drain(self) -> None:
         last = self.batches_done - 1
         actions = self.spec.drain_actions(self.groups.stage, self.groups.num_stages, self.n_microbatches, last, self.started)
-        pending = tuple(sorted({*self.updates.pending, last, *(a.batch for a in actions if a.kind == UPDATE)}))
-        self._run(self._program(actions, start=self.updates.held_back(), apply_last=pending))
+        pending = tuple(
+            (b, k) for k, group in enumerate(self.update_groups)
+            for b in sorted({*group.updates.pending, last, *(a.batch for a in actions if a.kind == UPDATE and a.chunk == k)})
+        )
+        self._run(self._program(actions, start=self._held_back(), apply_last=pending))
         self._batch_data.clear()
         self.transport.flush()
         self.fresh = True
+
+    def _held_back(self) -> tuple[tuple[int, int], ...]:
+        """``(batch, group)`` of the updates whose cross-stage reductions have not started yet."""
+        return tuple((b, k) for k, group in enumerate(self.update_groups) for b in group.updates.held_back())
 
     def eval_batch(self, batch_data) -> torch.Tensor:
         """:func:`~lightning_async.pipeline.evaluation.evaluate_batch`: the mean loss at the newest weights, on every rank."""
@@ -370,7 +437,7 @@ class PipelineRuntime:
 
     def settled_grad_norm(self) -> torch.Tensor | None:
         """The global gradient norm (before clipping, with clipping on) of the newest update landed on every rank."""
-        return self.updates.settled_grad_norm(self.batches_done)
+        return self.update_groups[0].updates.settled_grad_norm(self.batches_done)  # (clipping: one group)
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this stage holds: one weight version, all versions, optimizer state, the correction's buffers."""
@@ -378,7 +445,7 @@ class PipelineRuntime:
         ef = self.correction.buffers() if self.correction is not None else []
         return {
             "parameters": tensor_bytes(self.params),
-            "weight_versions": self.versions.nbytes(),
+            "weight_versions": sum(group.versions.nbytes() for group in self.update_groups),
             "optimizer_state": tensor_bytes(state),
             "correction": tensor_bytes(ef),
             "in_flight_microbatches": len(self.compute.inflight),
@@ -392,9 +459,21 @@ class PipelineRuntime:
         return {
             "schedule": self.schedule,
             "batches_done": self.batches_done,
-            **self.versions.state_dict(),
+            **self._versions_state(),
             "correction": None if self.correction is None else self.correction.state_dict(self.params),
         }
+
+    def version_layout(self) -> list[tuple[int, int]]:
+        """Per update group, ``(its parameters, its weight versions)``; the groups' parameters are consecutive runs
+        of ``params``."""
+        return [(len(group.params), group.versions.clock.versions) for group in self.update_groups]
+
+    def _versions_state(self) -> dict:
+        """The weight versions' state: ``slots`` and ``newest_slot`` (one update group), or one such dict per group
+        under ``update_groups``."""
+        if len(self.update_groups) == 1:
+            return self.versions.state_dict()
+        return {"update_groups": [group.versions.state_dict() for group in self.update_groups]}
 
     def optimizer_share(self, optimizer_state: dict) -> dict:
         """``optimizer_state`` (an ``optimizer.state_dict()``, possibly merged from every replica's share) reduced to
@@ -410,7 +489,11 @@ class PipelineRuntime:
         if state["schedule"] != self.schedule:
             raise ValueError(f"Checkpoint was written with schedule {state['schedule']!r}, this run uses {self.schedule!r}.")
         self.batches_done = state["batches_done"]
-        self.versions.load_state_dict(state)
+        if len(self.update_groups) == 1:
+            self.versions.load_state_dict(state)
+        else:
+            for group, saved in zip(self.update_groups, state["update_groups"]):
+                group.versions.load_state_dict(saved)
         saved = state.get("correction", state.get("error_feedback"))  # (the key of checkpoints before 0.2)
         if self.shards is not None and saved is not None:  # keep this replica's share of the buffers
             saved = {k: [b if mine else None for b, mine in zip(v, self.shards.owned)] if isinstance(v, list) else v

@@ -37,6 +37,11 @@ interleaved schedule) gives rank ``r`` the pieces ``r, r + p, r + 2p, ...``; ``v
   update lands right after its last backward of a batch, so the first ``p - 1 - s`` forwards of the next batch
   on stage ``s`` (which ran before it) read the previous version; their backwards recompute the stage at the
   current one (``lightning_async.pipeline.paci``). Needs ``m >= p - 1``.
+* ``wpipe``: WPipe (Yang et al. 2022): two chunks per rank in loop placement (rank ``s`` holds pieces ``s`` and
+  ``p + s``), no flush, each chunk its own update once per batch (:func:`wpipe_stream`). The first half (chunk 0,
+  G0) is one step stale and keeps two versions, as under 2BW; the second half (chunk 1, G1) updates in place
+  between its backwards of a batch and its forwards of the next, so it is current, but reads G0's older output:
+  the delay profile ``wpipe``. ``m`` a multiple of ``p`` (the reference runs ``m = p``).
 
 The runtime executes one *call* per training batch. :meth:`ScheduleSpec.call_actions` gives the actions of the
 call for batch ``b``: for the flushing schedules the whole batch, for ``2bw`` everything in the stream before the
@@ -67,7 +72,7 @@ class Action:
 
     def __repr__(self) -> str:
         if self.kind == UPDATE:
-            return f"U(b{self.batch})"
+            return f"U(b{self.batch})" + (f"c{self.chunk}" if self.chunk else "")
         return f"{self.kind}{self.microbatch}" + (f"c{self.chunk}" if self.chunk else "")
 
 
@@ -182,6 +187,53 @@ def _zb_v(rank: int, p: int, m: int, v: int, first: int) -> list[Action]:
     return [a for a in out if a.microbatch - first < m]
 
 
+# ------------------------------------------------------------------------------------------- delayed streams
+@dataclass(frozen=True)
+class StreamOrder:
+    """A delayed schedule's endless order on one rank: its ``k``-th forward and backward (over global micro-batches,
+    from an empty pipeline), ``warmup`` forwards before the first backward, then one forward and one backward in turn;
+    a batch's forwards are ``per_batch`` consecutive ones. Each backward that ends a batch's backwards of its chunk is
+    followed by that batch's update (of the chunk under per-chunk updates, else of the rank)."""
+
+    warmup: int
+    per_batch: int
+    n_microbatches: int
+    forward_at: Callable[[int], tuple[int, int]]  # k -> (micro-batch, chunk)
+    backward_at: Callable[[int], tuple[int, int]]
+    update_per_chunk: bool = False
+
+    def forward(self, k: int) -> Action:
+        mb, chunk = self.forward_at(k)
+        return Action(FORWARD, mb, mb // self.n_microbatches, chunk)
+
+    def backward_then_update(self, k: int, out: list[Action]) -> None:
+        """Append the ``k``-th backward to ``out``, and the update it completes."""
+        mb, chunk = self.backward_at(k)
+        batch = mb // self.n_microbatches
+        out.append(Action(BACKWARD, mb, batch, chunk))
+        if (mb + 1) % self.n_microbatches == 0:
+            out.append(Action(UPDATE, mb, batch, chunk if self.update_per_chunk else 0))
+
+
+def one_f_one_b_stream(stage: int, num_stages: int, m: int) -> StreamOrder:
+    """2BW's (and PipeDream's, PACI's) order: 1F1B over global micro-batches without a flush (:func:`stream_2bw`)."""
+    return StreamOrder(warmup_forwards(stage, num_stages), m, m, lambda k: (k, 0), lambda k: (k, 0))
+
+
+def wpipe_stream(stage: int, num_stages: int, m: int) -> StreamOrder:
+    """WPipe's order (Yang et al. 2022, ``lib/layout.py``): two chunks in loop placement, micro-batches in blocks of
+    ``p``; the ``k``-th forward runs block ``k // p`` of chunk ``(k // p) % 2``, the ``k``-th backward the same block
+    of the other chunk, after ``2p - 1 - s`` warm-up forwards on stage ``s``. So chunk 0's forwards of the next block
+    run among its backwards of the previous one (the "moving operation"), while chunk 1's backwards of a batch, and
+    its update, come before its forwards of the next. Each chunk updates once per batch."""
+    p = num_stages
+
+    def at(k: int, flip: int) -> tuple[int, int]:
+        return (k // (2 * p)) * p + k % p, ((k // p) + flip) % 2
+
+    return StreamOrder(2 * p - 1 - stage, 2 * m, m, lambda k: at(k, 0), lambda k: at(k, 1), update_per_chunk=True)
+
+
 # ------------------------------------------------------------------------------------------- the specs
 @dataclass(frozen=True)
 class ScheduleSpec:
@@ -202,6 +254,10 @@ class ScheduleSpec:
         per_batch: the flushing schedules' actions of one batch ``(rank, p, m, chunks, first micro-batch)``.
         stash: a micro-batch's backward reads the weight version its forward read (every schedule but ``paci``,
             which keeps one version: a forward that ran before an update is recomputed at the new weights).
+        stream: a delayed schedule's endless order on a rank, ``(rank, p, m) -> StreamOrder`` (default: 1F1B's,
+            :func:`one_f_one_b_stream`); calls and drains are slices of it.
+        update_per_chunk: each chunk of a rank has its own update (``U`` names the chunk) at its own time, with its
+            own clock (``wpipe``: chunk 0 one step stale, chunk 1 current); otherwise a rank's chunks update at once.
     """
 
     name: str
@@ -214,6 +270,8 @@ class ScheduleSpec:
     per_batch: Callable | None = None
     configurable_chunks: bool = False
     stash: bool = True
+    stream: Callable | None = None
+    update_per_chunk: bool = False
 
     @property
     def delayed(self) -> bool:
@@ -229,7 +287,7 @@ class ScheduleSpec:
     def piece_delays(self, num_stages: int) -> tuple[int, ...]:
         """Each piece's delay, in piece order."""
         if isinstance(self.delay, str):
-            return tuple(profiles.stage_delays(self.delay, self.virtual_stages(num_stages), 1))
+            return tuple(profiles.stage_delays(self.delay, num_stages, 1))  # (a profile lists every piece's)
         return (self.delay,) * self.virtual_stages(num_stages)
 
     def recorded_delay(self, num_stages: int) -> tuple[int, str]:
@@ -338,10 +396,17 @@ class ScheduleSpec:
         if not self.delayed:
             actions = self.per_batch(stage, num_stages, m, self.chunks, batch * m)
             return actions + [Action(UPDATE, (batch + 1) * m - 1, batch)]
-        w = warmup_forwards(stage, num_stages)
-        begin, end, first = batch * m, (batch + 1) * m, started * m
-        warmup = [Action(FORWARD, k, batch) for k in range(max(begin, first), min(end, first + w))]
-        return self._split(warmup + _pairs(stage, num_stages, m, max(begin - w, first), end - w))
+        order = self._order(stage, num_stages, m)
+        w, n = order.warmup, order.per_batch
+        begin, end, first = batch * n, (batch + 1) * n, started * n
+        actions = [order.forward(k) for k in range(max(begin, first), min(end, first + w))]
+        for k in range(max(begin - w, first), end - w):
+            actions.append(order.forward(k + w))
+            order.backward_then_update(k, actions)
+        return self._split(actions)
+
+    def _order(self, stage: int, num_stages: int, m: int) -> "StreamOrder":
+        return (self.stream or one_f_one_b_stream)(stage, num_stages, m)
 
     def _split(self, actions: list[Action]) -> list[Action]:
         """A 1F1B-ordered list with each ``B`` as ``I`` then ``W`` when the backward is split (2BW-split: the input
@@ -360,13 +425,10 @@ class ScheduleSpec:
             raise ValueError(f"batch must be >= 0, got {batch} (nothing to drain before the first batch).")
         if not self.delayed:
             return []
-        m, w = n_microbatches, warmup_forwards(stage, num_stages)
-        end = (batch + 1) * m
-        out = []
-        for j in range(max(end - w, started * m), end):  # the backwards in flight (none on the last stage)
-            out.append(Action(BACKWARD, j, j // m))
-            if (j + 1) % m == 0:
-                out.append(Action(UPDATE, j, j // m))
+        order = self._order(stage, num_stages, n_microbatches)
+        end, out = (batch + 1) * order.per_batch, []
+        for k in range(max(end - order.warmup, started * order.per_batch), end):  # the backwards in flight
+            order.backward_then_update(k, out)
         return self._split(out)
 
     def run_actions(self, stage: int, num_stages: int, n_microbatches: int, num_batches: int) -> list[Action]:
@@ -395,6 +457,8 @@ SPECS = {
     "2bw-split": ScheduleSpec("2bw-split", delay=1, min_microbatches_per_stage=1, split_backward=True),
     "pipedream": ScheduleSpec("pipedream", delay="pipedream", min_microbatches_per_stage=0),
     "paci": ScheduleSpec("paci", delay=0, min_microbatches_per_stage=0, stash=False),
+    "wpipe": ScheduleSpec("wpipe", delay="wpipe", min_microbatches_per_stage=1, chunks=2,
+                          microbatch_multiple_of_stages=True, stream=wpipe_stream, update_per_chunk=True),
 }
 SCHEDULES = tuple(SPECS)
 #: the synchronous schedule a comparison should beat: no stale gradients, the smallest bubble we run
@@ -411,6 +475,7 @@ STRATEGY_NAMES = {
     "zb_pipe": (BEST_SYNC, "ZB-V zero-bubble pipeline (the best synchronous baseline)"),
     "pipedream_pipe": ("pipedream", "PipeDream pipeline with weight stashing (asynchronous, per-stage delays)"),
     "paci_pipe": ("paci", "PACI pipeline: asynchronous 1F1B without a weight stash"),
+    "wpipe_pipe": ("wpipe", "WPipe pipeline: two chunks per rank, the first half one step stale (asynchronous)"),
 }
 
 
@@ -441,17 +506,6 @@ def stream_2bw(stage: int, num_stages: int, n_microbatches: int, first_batch: in
         if (j + 1) % m == 0:
             yield Action(UPDATE, j, j // m)
         j += 1
-
-
-def _pairs(stage: int, num_stages: int, m: int, start: int, stop: int) -> list[Action]:
-    """Steady 1F1B pairs ``F(j + w), B(j)`` for ``j`` in ``[start, stop)``, with updates after batch ends."""
-    w = warmup_forwards(stage, num_stages)
-    out = []
-    for j in range(start, stop):
-        out += [Action(FORWARD, j + w, (j + w) // m), Action(BACKWARD, j, j // m)]
-        if (j + 1) % m == 0:
-            out.append(Action(UPDATE, j, j // m))
-    return out
 
 
 # ------------------------------------------------------------------------------------------- by name (tools, tests)

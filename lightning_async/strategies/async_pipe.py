@@ -61,19 +61,21 @@ class AsyncPipelineStrategy(DDPStrategy):
     Args:
         schedule: an asynchronous one: ``"2bw"`` (one-step delay; ``"2bw-split"`` with the backward split),
             ``"pipedream"`` (PipeDream with weight stashing: stage ``s`` ``p - 1 - s`` steps stale,
-            ``strategy="pipedream_pipe"``) or ``"paci"`` (no stash: a batch's first forwards read the previous
-            version, ``strategy="paci_pipe"``); or a synchronous one: ``"1f1b"``, ``"gpipe"``, ``"zbh1"``
+            ``strategy="pipedream_pipe"``), ``"paci"`` (no stash: a batch's first forwards read the previous
+            version, ``strategy="paci_pipe"``) or ``"wpipe"`` (two chunks per stage, each its own update: the
+            first half of the model one step stale, the second current, ``strategy="wpipe_pipe"``); or a synchronous one: ``"1f1b"``, ``"gpipe"``, ``"zbh1"``
             (zero-bubble H1), ``"interleaved"`` (interleaved 1F1B over ``virtual_stages`` chunks per stage) or
             ``"zbv"`` (zero-bubble V: two chunks per stage; the best synchronous baseline, ``strategy="zb_pipe"``).
             See ``docs/schedules.md``.
         virtual_stages: chunks per stage for ``schedule="interleaved"`` (default 2).
         n_microbatches: micro-batches per batch (``>=`` stages for 2bw, 1f1b, zbh1 and interleaved, a multiple of
-            the stages for interleaved, ``>=`` stages - 1 for paci, any for pipedream, gpipe and zbv); default:
+            the stages for interleaved and wpipe, ``>=`` stages - 1 for paci, any for pipedream, gpipe and zbv); default:
             2 x stages.
         pipeline_parallel_size: stages per pipeline; default: all processes (``data_parallel_size=1``).
         data_parallel_size: pipeline replicas; gradients of each stage are averaged over replicas.
         partition: ``"uniform"``, ``"parameters"``, ``"time"`` or the unit names where stages 1.. begin.
-        correction: a staleness correction for the delayed schedules (``2bw``, ``2bw-split``, ``pipedream``; not
+        correction: a staleness correction for the delayed schedules (``2bw``, ``2bw-split``, ``pipedream``, ``wpipe``
+            (its first half); not
             ``paci``, which takes every gradient at the current weights): a method name
             (``"ef"``), ``build_correction``'s arguments (``{"method": "ef", "strength": 0.5}``) or a ``Correction``.
             The ``ErrorFeedback`` / ``DelayCorrection`` callbacks set the same thing (the CLI's ``correction:``

@@ -87,7 +87,7 @@ class PipelineCheckpoints:
         try:
             return distributed.RankRequest(
             distributed.saved_keys(path), s.lightning_module.state_dict(), s.optimizers[0] if fitting and s.optimizers else None,
-            runtime.params if runtime is not None else [], runtime.rank_clock.versions if runtime is not None else 1,
+            runtime.params if runtime is not None else [], runtime.version_layout() if runtime is not None else 1,
             distributed.parameter_names(s.lightning_module),
             owned=runtime.shards.owned if runtime is not None and runtime.shards is not None else None,
             )

@@ -85,7 +85,8 @@ def compare_row(p: int, m: int, costs: dict, comm_s: float, update_s: float, num
     timed = {n: e for n, e in row["schedules"].items() if "per_batch_s" in e}
     sync = {n: e for n, e in timed.items() if n not in ASYNC and e.get("fits", True)}
     delayed = {n: e for n, e in timed.items() if n in ASYNC}
-    fastest = min(delayed, key=lambda n: delayed[n]["per_batch_s"]) if delayed else None
+    # (ties to the nanosecond go to the first in ASYNC's order: 2bw before the rest of the family)
+    fastest = min(delayed, key=lambda n: round(delayed[n]["per_batch_s"], 9)) if delayed else None
     two = delayed.get(fastest)
     if not timed:
         row["recommendation"] = f"no schedule runs m={m} micro-batches on {p} stages (fewer replicas, or a larger batch)"

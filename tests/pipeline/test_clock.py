@@ -39,57 +39,70 @@ def oracle_versions(delay: int, batches: int) -> list[int]:
     return seen
 
 
+class _Group:
+    """One update group's replayed state: updates each slot's version contains, applied, begun and held back."""
+
+    def __init__(self, clock: PieceClock) -> None:
+        self.clock, self.slots, self.applied, self.pending, self.held = clock, [0] * clock.versions, 0, [], set()
+
+    def land(self, b: int, where: str) -> None:
+        assert b == self.applied, f"{where}: update {b} applied out of order (next is {self.applied})"
+        self.slots[self.clock.write_slot(b)] = b + 1
+        self.applied = b + 1
+        self.pending.remove(b)
+
+
 def replay(schedule, p: int, eager: bool, m: int) -> dict:
-    """Replay every rank's programs; return what each rank read and applied, per call."""
+    """Replay every rank's programs (each update group of a rank on its own); return what each rank read and
+    applied, per call (``applied_after_call``: the fewest updates any group of the rank has applied)."""
     s = spec(schedule)
     clock = s.clock(p)
     out = {"applied_after_call": [[0] * BATCHES for _ in range(p)], "losses_by_call": [set() for _ in range(BATCHES)]}
     for r in range(p):
-        rc = clock.rank(r)
-        slots = [0] * rc.versions  # updates each slot's version contains
-        applied, pending, held = 0, [], set()
-
-        def land(b: int) -> None:
-            nonlocal applied
-            assert b == applied, f"{schedule} p={p} rank {r}: update {b} applied out of order (next is {applied})"
-            slots[rc.write_slot(b)] = b + 1
-            applied = b + 1
-            pending.remove(b)
-
+        chunk_groups = clock.update_groups(r)
+        groups = [_Group(c) for _, c in chunk_groups]
+        group_of = {chunk: k for k, (chunks, _) in enumerate(chunk_groups) for chunk in chunks}
+        where = f"{schedule} p={p} rank {r}"
         calls = [s.call_actions(r, p, m, b, fresh=b == 0) for b in range(BATCHES)]
         for c in range(BATCHES + 1):
+            held = tuple((b, k) for k, g in enumerate(groups) for b in sorted(g.held))
             if c < BATCHES:
-                due = rc.due_before(c)
-                program = lower(s, r, p, calls[c], start=tuple(sorted(held)), apply_first=() if due is None else (due,))
+                due = tuple((d, k) for k, g in enumerate(groups) if (d := g.clock.due_before(c)) is not None)
+                program = lower(s, r, p, calls[c], start=held, apply_first=due)
             else:  # the drain (as the runtime's: every update pending or begun in it applied at its end)
                 drain = s.drain_actions(r, p, m, BATCHES - 1)
-                begun = {a.batch for a in drain if a.kind == UPDATE}
-                program = lower(s, r, p, drain, start=tuple(sorted(held)), apply_last=tuple(sorted({*pending, BATCHES - 1, *begun})))
+                last = tuple((b, k) for k, g in enumerate(groups) for b in sorted(
+                    {*g.pending, BATCHES - 1, *(a.batch for a in drain if a.kind == UPDATE and a.chunk == k)}))
+                program = lower(s, r, p, drain, start=held, apply_last=last)
             for step in program:
                 if step.poll and eager:
-                    while pending and pending[0] not in held:
-                        land(pending[0])
-                if step.kind == START_REDUCTIONS:
-                    held.discard(step.batch)
-                elif step.kind == BEGIN_UPDATE:
-                    pending.append(step.batch)
-                    if clock.defers_reductions(r):
-                        held.add(step.batch)
-                elif step.kind == APPLY_UPDATE:
-                    if step.batch in pending:
-                        held.discard(step.batch)
-                        land(step.batch)
-                elif step.kind in COMPUTE:
-                    got, want = slots[rc.read_slot(step.batch)], rc.updates_read(step.batch)
+                    for g in groups:
+                        while g.pending and g.pending[0] not in g.held:
+                            g.land(g.pending[0], where)
+                if step.kind in COMPUTE:
+                    g = groups[group_of[step.chunk]]
+                    got, want = g.slots[g.clock.read_slot(step.batch)], g.clock.updates_read(step.batch)
                     if step.kind == "F":  # (paci: a batch's first forwards may read the version before)
-                        want = clock.forward_reads(r, step.batch, step.microbatch - step.batch * m)
-                    assert got == want, (f"{schedule} p={p} rank {r} call {c}: {step.kind}{step.microbatch} of batch "
+                        want = clock.forward_reads(r, step.batch, step.microbatch - step.batch * m, step.chunk)
+                    assert got == want, (f"{where} call {c}: {step.kind}{step.microbatch}c{step.chunk} of batch "
                                          f"{step.batch} read a version with {got} updates, the clock says {want}")
                     if step.kind == "F" and step.target is None and c < BATCHES:
                         out["losses_by_call"][c].add((step.batch, step.microbatch))
+                    continue
+                g = groups[step.chunk]
+                if step.kind == START_REDUCTIONS:
+                    g.held.discard(step.batch)
+                elif step.kind == BEGIN_UPDATE:
+                    g.pending.append(step.batch)
+                    if clock.defers_reductions(r):
+                        g.held.add(step.batch)
+                elif step.kind == APPLY_UPDATE:
+                    if step.batch in g.pending:
+                        g.held.discard(step.batch)
+                        g.land(step.batch, where)
             if c < BATCHES:
-                out["applied_after_call"][r][c] = applied
-        assert not pending and applied == BATCHES  # the drain applied every update
+                out["applied_after_call"][r][c] = min(g.applied for g in groups)
+        assert all(not g.pending and g.applied == BATCHES for g in groups)  # the drain applied every update
     out["m"] = m
     return out
 
@@ -99,13 +112,14 @@ def replay(schedule, p: int, eager: bool, m: int) -> dict:
 def test_the_clock_answers_as_the_update_rule(schedule, p):
     s = spec(schedule)
     clock = s.clock(p)
-    for r in range(p):  # (pipedream: each stage its own delay)
-        rule = oracle_versions(clock.rank(r).delay, BATCHES)
-        assert [clock.rank(r).updates_read(b) for b in range(BATCHES)] == rule
+    for r in range(p):  # (pipedream: each stage its own delay; wpipe: each chunk)
+        for _, group in clock.update_groups(r):
+            rule = oracle_versions(group.delay, BATCHES)
+            assert [group.updates_read(b) for b in range(BATCHES)] == rule
     for eager, m in [(eager, m) for eager in (False, True) for m in _microbatches(s, p)]:
         seen = replay(schedule, p, eager, m)
         for calls_done in range(1, BATCHES + 1):  # the settled gradient norm's update has landed on every rank
-            settled = clock.rank(0).settled_update(calls_done)
+            settled = min(g.settled_update(calls_done) for _, g in clock.update_groups(0))
             assert all(seen["applied_after_call"][r][calls_done - 1] >= settled + 1 for r in range(p))
         finished: set = set()
         for step in range(BATCHES):  # the reported loss's batch has every micro-batch's loss on the last stage
@@ -117,14 +131,16 @@ def test_the_clock_answers_as_the_update_rule(schedule, p):
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_reductions_are_held_back_where_a_rank_updates_a_call_early(schedule):
-    """A rank defers its cross-stage reductions exactly when another rank begins the same update a call later."""
+    """A rank defers its cross-stage reductions exactly when another rank begins the same update a call later (and
+    never under per-stage delays, which allow no cross-stage reduction)."""
     s = spec(schedule)
     for p in (2, 3, 4):
         m = _microbatches(s, p)[0]
         begins = [next(c for c in range(4) if any(a.kind == UPDATE and a.batch == 2
                                                   for a in s.call_actions(r, p, m, c, fresh=c == 0)))
                   for r in range(p)]
-        assert [s.clock(p).defers_reductions(r) for r in range(p)] == [b < max(begins) for b in begins]
+        expected = [b < max(begins) for b in begins] if s.uniform_delay else [False] * p
+        assert [s.clock(p).defers_reductions(r) for r in range(p)] == expected
     assert not spec(schedule).clock(1).defers_reductions(0)
 
 

@@ -17,7 +17,10 @@ from operator import attrgetter
 import pytest
 import torch
 
-from _pipeline_harness import SHRUNK_BATCH, each_in_its_world, pipeline_run, reference_run, spawn
+from _pipeline_harness import (
+    SHRUNK_BATCH, assert_same_bits, each_in_its_world, merged_weights, pipeline_run, reference_run, spawn,
+    worst_difference,
+)
 from lightning_async.pipeline.schedules import spec
 
 pytestmark = pytest.mark.slow  # starts processes
@@ -56,10 +59,7 @@ def results():
 
 
 def _merged(results, index: int) -> dict[str, torch.Tensor]:
-    merged: dict[str, torch.Tensor] = {}
-    for rank in range(RUNS[index].stages):
-        merged.update(results[rank][index][0])
-    return merged
+    return merged_weights(results, index, RUNS[index].stages)
 
 
 def _reference(run: Run, profile: str | None = "paci") -> dict[str, torch.Tensor]:
@@ -69,28 +69,22 @@ def _reference(run: Run, profile: str | None = "paci") -> dict[str, torch.Tensor
                          refills=refills)
 
 
-def _worst(weights: dict, reference: dict) -> float:
-    return max((weights[n] - reference[n]).abs().max().item() for n in weights)
-
-
 def test_paci_follows_its_single_device_rule(results):
     for index, run in enumerate(RUNS):
         reference = _reference(run)
         weights = _merged(results, index)
         assert set(weights) <= set(reference) and len(weights) >= len(reference) - 1  # (a tied head may appear once)
-        assert _worst(weights, reference) < TOLERANCE, f"{run}: {_worst(weights, reference)}"
+        assert worst_difference(weights, reference) < TOLERANCE, f"{run}: {worst_difference(weights, reference)}"
 
 
 def test_negative_control_synchronous_training_is_another_rule(results):
     """Every forward on the current weights (1F1B with a flush) differs: the stale forwards are seen."""
     for index in (0, 2):
-        assert _worst(_merged(results, index), _reference(RUNS[index], profile=None)) > 1e-4
+        assert worst_difference(_merged(results, index), _reference(RUNS[index], profile=None)) > 1e-4
 
 
 def test_nccl_rules_train_to_the_same_bits(results):
-    for rank in range(3):
-        ours, theirs = results[rank][4], results[rank][2]
-        assert all(torch.equal(ours[0][n], theirs[0][n]) for n in ours[0]) and ours[1] == theirs[1]
+    assert_same_bits(results, 4, 2, ranks=3)
 
 
 def test_one_weight_version_and_the_same_losses_everywhere(results):

@@ -16,7 +16,10 @@ from operator import attrgetter
 import pytest
 import torch
 
-from _pipeline_harness import UNTIED, each_in_its_world, pipeline_run, plan_rank, reference_run, spawn
+from _pipeline_harness import (
+    UNTIED, assert_same_bits, each_in_its_world, merged_weights, pipeline_run, plan_rank, reference_run, spawn,
+    worst_difference,
+)
 from lightning_async.pipeline.rank import build
 from lightning_async.pipeline.schedules import spec
 
@@ -64,20 +67,12 @@ def results():
 
 
 def _merged(results, index: int, replica: int = 0) -> dict[str, torch.Tensor]:
-    run = RUNS[index]
-    merged: dict[str, torch.Tensor] = {}
-    for rank in range(replica * run.stages, (replica + 1) * run.stages):
-        merged.update(results[rank][index][0])
-    return merged
+    return merged_weights(results, index, RUNS[index].stages, replica)
 
 
 def _reference(run: Run, profile: str | None = "pipedream", delay: int = 1) -> dict[str, torch.Tensor]:
     return reference_run(run.optimizer, delay, run.ef, STEPS, None, microbatches=run.m * run.replicas, workload=UNTIED,
                          profile=profile, stages=run.stages)
-
-
-def _worst(weights: dict, reference: dict) -> float:
-    return max((weights[n] - reference[n]).abs().max().item() for n in weights)
 
 
 def test_pipedream_follows_its_single_device_rule(results):
@@ -86,20 +81,18 @@ def test_pipedream_follows_its_single_device_rule(results):
         for replica in range(run.replicas):
             weights = _merged(results, index, replica)
             assert set(weights) == set(reference)
-            assert _worst(weights, reference) < TOLERANCE, f"{run}, replica {replica}: {_worst(weights, reference)}"
+            assert worst_difference(weights, reference) < TOLERANCE, f"{run}, replica {replica}: {worst_difference(weights, reference)}"
 
 
 def test_nccl_rules_train_to_the_same_bits(results):
-    for rank in range(3):
-        ours, theirs = results[rank][4], results[rank][2]
-        assert all(torch.equal(ours[0][n], theirs[0][n]) for n in ours[0]) and ours[1] == theirs[1]
+    assert_same_bits(results, 4, 2, ranks=3)
 
 
 def test_negative_control_a_uniform_delay_is_another_rule(results):
     """Without per-stage delays (2BW's one step everywhere) the reference differs: the test can fail."""
     for index in (0, 2):
         run = RUNS[index]
-        assert _worst(_merged(results, index), _reference(run, profile=None, delay=1)) > 1e-4
+        assert worst_difference(_merged(results, index), _reference(run, profile=None, delay=1)) > 1e-4
 
 
 def test_stages_keep_p_minus_s_versions_and_every_rank_reports_the_same_losses(results):

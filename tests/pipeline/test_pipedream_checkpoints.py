@@ -13,8 +13,8 @@ import os
 from functools import partial
 
 import pytest
-import torch
 
+from _checkpoint_checks import assert_resume_equals, assert_starts_from
 from _pipeline_harness import in_world, spawn
 from lightning_async.pipeline import distributed_checkpoint as distributed
 
@@ -53,14 +53,6 @@ def runs(tmp_path_factory):
     return tmp, spawn(4, _runs, tmp, timeout=300)
 
 
-def _merged(per_rank: list, key: str, part: int = 0) -> dict:
-    merged: dict = {}
-    for rank in per_rank:
-        if rank[key] is not None:
-            merged.update(rank[key][part])
-    return merged
-
-
 def test_stage_zero_saves_its_versions_by_age(runs):
     tmp, _ = runs
     keys = distributed.saved_keys(os.path.join(tmp, "p3", "step=4.ckpt"))
@@ -71,23 +63,9 @@ def test_stage_zero_saves_its_versions_by_age(runs):
 
 
 def test_a_three_stage_resume_ends_on_the_uninterrupted_fit(runs):
-    _, per_rank = runs
-    whole, resumed = _merged(per_rank, "p3"), _merged(per_rank, "p3_resumed")
-    assert whole.keys() == resumed.keys()
-    worst = max((whole[k] - resumed[k]).abs().max().item() for k in whole)
-    assert worst < 2e-6, f"max |resumed - uninterrupted| = {worst}"
-    assert per_rank[0]["p3_resumed"][1]["train/loss"] == pytest.approx(per_rank[0]["p3"][1]["train/loss"], abs=1e-6)
+    assert_resume_equals(runs[1], "p3", "p3_resumed")
 
 
 def test_two_replicas_start_from_the_saved_weights_and_optimizer_state(runs):
     tmp, per_rank = runs
-    path = os.path.join(tmp, "p2", "step=4.ckpt")
-    from test_distributed_checkpoint import _saved_optimizer
-
-    from lightning_async.pipeline.checkpoint import consolidate
-
-    weights, optimizer = consolidate(path), _saved_optimizer(path)
-    seen = _merged(per_rank, "dp2_resumed", 2)
-    assert set(seen) == set(weights) and all(torch.equal(seen[k], weights[k]) for k in weights)
-    state = _merged(per_rank, "dp2_resumed", 3)
-    assert state and all(torch.equal(state[k], optimizer[k]) for k in state)
+    assert_starts_from(os.path.join(tmp, "p2", "step=4.ckpt"), per_rank, "dp2_resumed")

@@ -38,13 +38,16 @@ def test_a_program_runs_the_schedules_actions_with_their_channels(schedule):
                     # does a rank that holds its reductions back a call (paci's and pipedream's last stage)
                     applied_now = nxt is not None and nxt.kind == APPLY_UPDATE and nxt.batch == step.batch
                     clock = s.clock(p)
-                    assert applied_now == (clock.rank(r).applies_at_once and not clock.defers_reductions(r))
-                assert step.poll == (not s.clock(p).rank(r).applies_at_once and step.kind not in (APPLY_UPDATE, START_REDUCTIONS))
+                    group = clock.update_groups(r)[step.chunk][1]  # (wpipe: each chunk its own)
+                    assert applied_now == (group.applies_at_once and not clock.defers_reductions(r))
+                at_once = all(c.applies_at_once for _, c in s.clock(p).update_groups(r))
+                assert step.poll == (not at_once and step.kind not in (APPLY_UPDATE, START_REDUCTIONS))
 
 
 def test_the_first_and_last_steps_of_a_call_start_held_reductions_and_apply_updates():
     s = spec("2bw")
-    program = lower(s, 1, 2, s.call_actions(1, 2, 4, 3, fresh=False), start=(2,), apply_first=(1,), apply_last=(3,))
+    program = lower(s, 1, 2, s.call_actions(1, 2, 4, 3, fresh=False), start=((2, 0),), apply_first=((1, 0),),
+                    apply_last=((3, 0),))
     assert [(x.kind, x.batch, x.barrier) for x in program[:2]] == [(START_REDUCTIONS, 2, False), (APPLY_UPDATE, 1, True)]
     assert (program[-1].kind, program[-1].batch, program[-1].barrier) == (APPLY_UPDATE, 3, True)
 

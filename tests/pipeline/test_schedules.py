@@ -39,44 +39,59 @@ def _configs(seed: int, count: int) -> list[tuple[int, int, int]]:
 CONFIGS = _configs(seed=1234, count=100)
 
 
-def version_used(schedule: str, batch: int) -> int:
-    """Updates contained in the weights batch ``batch`` runs on: 2BW ``V(b) = W0 - u(0..b-2)``; sync ``W_b``."""
-    return max(batch - 1, 0) if spec(schedule).delayed else batch
+def version_used(schedule: str, batch: int, delay: int | None = None) -> int:
+    """Updates contained in the weights batch ``batch`` runs on: 2BW ``V(b) = W0 - u(0..b-2)``; sync ``W_b``; a
+    group of delay ``delay``: ``max(b - delay, 0)``."""
+    if delay is None:
+        delay = 1 if spec(schedule).delayed else 0
+    return max(batch - delay, 0)
+
+
+def group_delays(schedule: str, p: int) -> list[int]:
+    """The delay of each update group of a rank, as the action order must allow it: WPipe's chunks their own (1, 0);
+    any other delayed schedule 1 (its order is 2BW's: PipeDream and PACI differ in what a version holds, not in
+    when updates run), a flushing one 0."""
+    s = spec(schedule)
+    if s.update_per_chunk:
+        return [c.delay for _, c in s.clock(p).update_groups(0)]
+    return [1 if s.delayed else 0]
 
 
 def check_stage(schedule: str, actions: list[Action], p: int, m: int, batches: list[int]) -> None:
-    """Assert every invariant of one rank's list that covers exactly ``batches`` (pipeline empty at the end)."""
+    """Assert every invariant of one rank's list that covers exactly ``batches`` (pipeline empty at the end), per
+    update group (the rank's chunks together, or each chunk on its own under per-chunk updates)."""
     s = spec(schedule)
+    delays = group_delays(schedule, p)
+    group = (lambda c: c) if s.update_per_chunk else (lambda c: 0)
+    chunks_of = [[c for c in range(s.chunks) if group(c) == k] for k in range(len(delays))]
     kinds = ("F", "I", "W", "U") if s.split_backward else ("F", "B", "U")
     done_kind = "W" if s.split_backward else "B"  # the action that finishes a micro-batch's backward
     forwards: dict[tuple[int, int], int] = {}  # (chunk, micro-batch) -> position
     backwards: dict[tuple[int, int], int] = {}
     inputs_done: set[tuple[int, int]] = set()
-    updates: dict[int, int] = {}  # batch -> position
-    in_flight: dict[int, set] = {}  # batch -> (chunk, micro-batch) forwarded, not finished
-    done = batches[0]  # updates applied so far on this stage (U(0..b-1) before a segment starting at b)
+    updates: list[dict[int, int]] = [{} for _ in delays]  # per group: batch -> position
+    in_flight: list[dict[int, set]] = [{} for _ in delays]  # per group: batch -> (chunk, micro-batch) not finished
+    done = [batches[0]] * len(delays)  # updates applied so far (U(0..b-1) before a segment starting at b)
     for pos, a in enumerate(actions):
         assert a.kind in kinds, a
         key = (a.chunk, a.microbatch)
+        k = group(a.chunk)
+        d = delays[k]
         if a.kind != "U":
             assert 0 <= a.chunk < s.chunks, f"{a!r} on a chunk the rank does not have"
             assert a.batch == a.microbatch // m, f"{a!r} labelled with batch {a.batch}"
             assert a.batch in batches, f"{a!r} belongs to no batch of this run"
-            # The weights this micro-batch needs must be live: the newest (``done`` updates) or, under 2BW,
-            # the one before it. Sync: exactly the newest.
-            need = version_used(schedule, a.batch)
-            if s.delayed:
-                assert done - 1 <= need <= done, f"{a!r} needs version {need}, stage has applied {done} updates"
-            else:
-                assert need == done, f"{a!r} runs on weights with {done} updates, expected {need}"
+            # The weights this micro-batch needs must be live: the newest (``done`` updates) or one of the ``d``
+            # before it (2BW: one). Sync: exactly the newest.
+            need = version_used(schedule, a.batch, d)
+            assert done[k] - d <= need <= done[k], f"{a!r} needs version {need}, its group has applied {done[k]} updates"
         if a.kind == "F":
             assert key not in forwards, f"{a!r} twice"
             forwards[key] = pos
-            in_flight.setdefault(a.batch, set()).add(key)
-            limit = 2 if s.delayed else 1
-            assert len(in_flight) <= limit, f"batches {sorted(in_flight)} in flight at {a!r}"
-            live = {done} | {version_used(schedule, b) for b in in_flight}
-            assert len(live) <= limit, f"weight versions {sorted(live)} live at {a!r}"
+            in_flight[k].setdefault(a.batch, set()).add(key)
+            assert len(in_flight[k]) <= d + 1, f"batches {sorted(in_flight[k])} in flight at {a!r}"
+            live = {done[k]} | {version_used(schedule, b, d) for b in in_flight[k]}
+            assert len(live) <= d + 1, f"weight versions {sorted(live)} live at {a!r}"
         elif a.kind == "I":
             assert key in forwards and key not in inputs_done, f"{a!r} before its forward, or twice"
             inputs_done.add(key)
@@ -85,31 +100,33 @@ def check_stage(schedule: str, actions: list[Action], p: int, m: int, batches: l
             assert key in forwards, f"{a!r} before its forward"
             assert a.kind != "W" or key in inputs_done, f"{a!r} before its input gradient"
             backwards[key] = pos
-            in_flight[a.batch].discard(key)
-            if not in_flight[a.batch]:
-                del in_flight[a.batch]
+            in_flight[k][a.batch].discard(key)
+            if not in_flight[k][a.batch]:
+                del in_flight[k][a.batch]
         else:
             b = a.batch
-            assert b not in updates, f"two updates of batch {b}"
+            assert b not in updates[k], f"two updates of batch {b}"
             assert a.microbatch == (b + 1) * m - 1
-            assert b == done, f"U(b{b}) out of order (expected U(b{done}))"
-            mbs = [(c, j) for c in range(s.chunks) for j in range(b * m, (b + 1) * m)]
-            assert all(k in backwards for k in mbs), f"U(b{b}) before all backwards of batch {b}"
-            # Staleness of the gradient this update applies: 1 under 2BW (0 for the very first batch), 0 sync.
-            delay = done - version_used(schedule, b)
-            assert delay == (min(b, 1) if s.delayed else 0), f"U(b{b}) applies a gradient {delay} old"
-            updates[b] = pos
-            done += 1
+            assert b == done[k], f"U(b{b}) out of order (expected U(b{done[k]}))"
+            mbs = [(c, j) for c in chunks_of[k] for j in range(b * m, (b + 1) * m)]
+            assert all(x in backwards for x in mbs), f"U(b{b}) before all backwards of batch {b}"
+            # Staleness of the gradient this update applies: the group's delay (less for the first batches).
+            delay = done[k] - version_used(schedule, b, d)
+            assert delay == min(b, d), f"U(b{b}) applies a gradient {delay} old"
+            updates[k][b] = pos
+            done[k] += 1
     expected = sorted((c, j) for c in range(s.chunks) for b in batches for j in range(b * m, (b + 1) * m))
     assert sorted(forwards) == expected, "not every micro-batch forwarded exactly once on every chunk"
     assert sorted(backwards) == expected, "not every micro-batch backwarded exactly once on every chunk"
-    assert sorted(updates) == batches, "not exactly one update per batch"
-    assert not in_flight
-    for b in batches:
-        # U(b) precedes the first forward of batch b+1 (sync) or b+2 (2BW): the slot it overwrites is free.
-        ahead = 2 if s.delayed else 1
-        later = [forwards[c, j] for c in range(s.chunks) for j in range((b + ahead) * m, (b + ahead + 1) * m) if (c, j) in forwards]
-        assert all(updates[b] < f for f in later), f"a forward of batch {b + ahead} runs before U(b{b})"
+    assert all(sorted(u) == batches for u in updates), "not exactly one update per batch and group"
+    assert not any(in_flight)
+    for k, d in enumerate(delays):
+        for b in batches:
+            # U(b) precedes the group's first forward of batch b + d + 1: the slot it overwrites is free.
+            ahead = d + 1
+            later = [forwards[c, j] for c in chunks_of[k] for j in range((b + ahead) * m, (b + ahead + 1) * m)
+                     if (c, j) in forwards]
+            assert all(updates[k][b] < f for f in later), f"a forward of batch {b + ahead} runs before U(b{b})"
 
 
 def valid_m(schedule: str, p: int, m: int) -> int:
@@ -134,7 +151,7 @@ def test_run_actions_invariants(schedule):
         lists = [run_actions(schedule, r, p, m, nb) for r in range(p)]
         for actions in lists:
             check_stage(schedule, actions, p, m, list(range(nb)))
-            assert len(actions) == nb * (per_microbatch * m * s.chunks + 1)
+            assert len(actions) == nb * (per_microbatch * m * s.chunks + len(group_delays(schedule, p)))
         simulate_ok(lists, schedule)
 
 

@@ -130,6 +130,7 @@ def _pipeline_fits(tmp: str) -> dict:
     out["sync"] = fit("sync_pipe", 2)
     out["paci"] = fit(AsyncPipelineStrategy(schedule="paci", n_microbatches=2), 2)
     out["pipedream"] = fit("pipedream_pipe", 2, gradient_clip_val=None, tied=False)
+    out["wpipe"] = fit("wpipe_pipe", 2, gradient_clip_val=None, tied=False)
     out["resumed"] = fit(AsyncPipelineStrategy(n_microbatches=2), 2, ckpt_path=os.path.join(ckpt_dir, "step=4.ckpt"))
     out["files"] = sorted(os.listdir(os.path.join(ckpt_dir, "step=4.ckpt")))
     return out
@@ -181,6 +182,15 @@ def test_pipedream_equals_its_single_device_rule(pipeline_fits):
     reference, _ = fit("auto", 1, callbacks=[DelaySimulation(profile="pipedream", stages=2)], gradient_clip_val=None,
                        tied=False)
     assert _max_diff(_merged(pipeline_fits, "pipedream"), reference) < 2e-5
+
+
+def test_wpipe_equals_its_single_device_rule(pipeline_fits):
+    """``strategy="wpipe_pipe"`` (2 x stages micro-batches by default) against ``DelaySimulation(profile="wpipe")``:
+    the first half of the model one step stale, the second current; untied, unclipped (both refused with it)."""
+    reference, _ = fit("auto", 1, callbacks=[DelaySimulation(profile="wpipe", stages=2)], gradient_clip_val=None,
+                       tied=False)
+    assert _max_diff(_merged(pipeline_fits, "wpipe"), reference) < 2e-5
+    assert _max_diff(_merged(pipeline_fits, "wpipe"), _merged(pipeline_fits, "pipedream")) > 1e-4  # negative control
 
 
 def test_sync_pipe_equals_plain_training_and_async_differs(pipeline_fits):
@@ -304,7 +314,7 @@ def test_spawn_returns_every_stage_to_the_main_process(pipeline_fits):
 
 
 def test_unknown_schedule_names_the_choices():
-    with pytest.raises(ValueError, match=r"Unknown pipeline schedule '2bx'\. Choose one of: gpipe, 1f1b, zbh1, interleaved, zbv, 2bw, 2bw-split, pipedream, paci \(or strategy='async_pipe'"):
+    with pytest.raises(ValueError, match=r"Unknown pipeline schedule '2bx'\. Choose one of: gpipe, 1f1b, zbh1, interleaved, zbv, 2bw, 2bw-split, pipedream, paci, wpipe \(or strategy='async_pipe'"):
         AsyncPipelineStrategy(schedule="2bx")
 
 
