@@ -70,6 +70,7 @@ CONFIGS = {
     "1f1b": ("1f1b", None, False), "gpipe": ("gpipe", None, False), "zbh1": ("zbh1", None, False),
     "interleaved": ("interleaved", None, False), "zbv": ("zbv", None, False), "2bw": ("2bw", None, False),
     "2bw+ef": ("2bw", 1.0, False), "2bw+ckpt": ("2bw", None, True),
+    "pipedream": ("pipedream", None, False), "paci": ("paci", None, False), "wpipe": ("wpipe", None, False),
 }
 MIB = 2**20
 
@@ -86,9 +87,10 @@ def _nbytes(tensors) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ the stage
-def model_units(model_name: str):
+def model_units(model_name: str, tie_embeddings: bool = True):
+    """The model and its pipeline units (untied for the schedules whose stages update at different times)."""
     torch.manual_seed(0)
-    model = SmolLM2(model_config(model_name))
+    model = SmolLM2(model_config(model_name, **({} if tie_embeddings else {"tie_embeddings": False})))
     return model, [(f"model.{n}", u) for n, u in model.pipeline_units()]
 
 
@@ -169,7 +171,7 @@ def measured_worker(cfg: dict) -> dict:
     device = torch.device(cfg["device"], rank) if cfg["device"] == "cuda" else torch.device("cpu")
     schedule, ef, recompute = CONFIGS[cfg["config"]]
     spec = schedules.spec(schedule)
-    model, units = model_units(cfg["model"])
+    model, units = model_units(cfg["model"], tie_embeddings=spec.uniform_delay)  # (pipedream, wpipe: untied)
     shape, context_fn = model.config, model.pipeline_context
     stage_units = partition_units(units, spec.virtual_stages(p), "uniform")
     g = torch.Generator().manual_seed(1)
@@ -243,9 +245,12 @@ def measured_worker(cfg: dict) -> dict:
         runtime.collect_loss(len(batches) - 1)
     elapsed = time.perf_counter() - t0
     rss0 = measure["rss0"]
+    counted: set[int] = set()  # (a weight two chunks share, ZB-V's tied one, counted with the first)
+    per_chunk = [_nbytes([t for t in chunk.parameters() if id(t) not in counted and not counted.add(id(t))])
+                 for chunk in stage.chunks]
     out = dict(runtime.memory_report(), stage=rank % p, replica=rank // p, activation_bytes_per_chunk=act,
                activation_bytes_per_microbatch=sum(act), weight_grad_bytes_per_chunk=residue,
-               weight_grad_bytes_per_microbatch=sum(residue))
+               weight_grad_bytes_per_microbatch=sum(residue), parameters_per_chunk=per_chunk)
     out["peak_inflight_microbatches"] = peak["inflight"]
     out["peak_deferred_weight_grads"] = peak["deferred"]
     out["peak_activation_bytes"] = peak["activations"]
@@ -274,16 +279,18 @@ def measured(args, dp: int = 1, sharding: str = "none") -> list[dict]:
                 continue
         ranks = _bench.spawn(args.p * dp, measured_worker, cfg, backend="nccl" if cfg["device"] == "cuda" else "gloo")
         spec = schedules.spec(schedule)
-        piece_bytes, piece_residue = [0] * spec.virtual_stages(args.p), [0] * spec.virtual_stages(args.p)
+        pieces = spec.virtual_stages(args.p)
+        piece_bytes, piece_residue, piece_params = [0] * pieces, [0] * pieces, [0] * pieces
         for r in ranks:
-            for c, (nbytes, kept) in enumerate(zip(r["activation_bytes_per_chunk"], r["weight_grad_bytes_per_chunk"])):
-                piece_bytes[spec.piece(r["stage"], c, args.p)] = nbytes
-                piece_residue[spec.piece(r["stage"], c, args.p)] = kept
+            for c, (nbytes, kept, weights) in enumerate(zip(r["activation_bytes_per_chunk"], r["weight_grad_bytes_per_chunk"],
+                                                            r["parameters_per_chunk"])):
+                k = spec.piece(r["stage"], c, args.p)
+                piece_bytes[k], piece_residue[k], piece_params[k] = nbytes, kept, weights
         first = ranks[: args.p]  # replica 0's stages (the model's inputs); under sharding, the whole stage's state
         whole = [sum(r["optimizer_state"] for r in ranks if r["stage"] == s) if shard else first[s]["optimizer_state"]
                  for s in range(args.p)]
         model = schedule_memory(
-            schedule, args.p, args.m, [r["parameters"] for r in first], whole,
+            schedule, args.p, args.m, piece_params if spec.chunks > 1 else [r["parameters"] for r in first], whole,
             piece_bytes if spec.chunks > 1 else [r["activation_bytes_per_microbatch"] for r in first],
             correction_buffers=1 if ef else 0, data_parallel_size=dp, shard_optimizer=shard,
             weight_grad_bytes=piece_residue if spec.chunks > 1 else [r["weight_grad_bytes_per_microbatch"] for r in first],

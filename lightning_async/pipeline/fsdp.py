@@ -36,6 +36,12 @@ def check_fsdp_applicable(spec, data_parallel_size: int, shard_optimizer: bool =
     if data_parallel_size < 2:
         problem = (f"it shards each stage's weights over its data-parallel replicas, but this run has {data_parallel_size}. "
                    "Add replicas (processes = stages x replicas) or set fsdp=False")
+    elif not spec.stash:
+        problem = (f"schedule {spec.name!r} updates its one weight version in the middle of a call, which FSDP's "
+                   "sharded copies do not support yet. Use fsdp=False or schedule='2bw'")
+    elif spec.update_per_chunk:
+        problem = (f"schedule {spec.name!r} updates each chunk of a stage on its own, which FSDP's one sharded copy "
+                   "per version does not support yet. Use shard_optimizer=True (ZeRO-1) or schedule='2bw'")
     elif spec.split_backward:
         problem = (f"schedule {spec.name!r} splits the backward, and FSDP reduce-scatters the weight gradients in the "
                    "input-gradient action, before the deferred ones exist. Use gpipe, 1f1b, interleaved or 2bw")

@@ -129,7 +129,8 @@ def schedule_memory(
     weight-gradient residue of the micro-batches whose ``W`` it defers, not their whole activations.
 
     ``param_bytes``/``optimizer_bytes``/``grad_bytes`` (default ``param_bytes``): a rank's share, a scalar or one value
-    per rank, the same whatever the schedule. ``activation_bytes``: what one micro-batch saves for the backward on a
+    per rank, the same whatever the schedule (``param_bytes`` may also give one value per piece: where a schedule keeps
+    each chunk's versions on their own, WPipe's, the weights are counted per chunk; from a rank's share, ``1/v`` each). ``activation_bytes``: what one micro-batch saves for the backward on a
     rank's whole share (a scalar or one per rank: a schedule with ``v`` chunks holds ``v`` pieces of ``1/v`` of it
     each), or one value per piece. ``shard_optimizer`` (ZeRO-1 over ``data_parallel_size`` replicas): the optimizer
     state and the correction's buffers are split evenly over the replicas (the runtime's shares are whole parameters
@@ -152,7 +153,9 @@ def schedule_memory(
     def per(v, name):
         return [int(x) for x in per_rank(v, p, name)]
 
-    params, opt = per(param_bytes, "param_bytes"), per(optimizer_bytes, "optimizer_bytes")
+    piece_params = per_piece(param_bytes, s_, p, "param_bytes")  # (a rank's weights per chunk: wpipe's versions)
+    params = [int(sum(piece_params[s_.piece(r, c, p)] for c in range(s_.chunks))) for r in range(p)]
+    opt = per(optimizer_bytes, "optimizer_bytes")
     piece_bytes = per_piece(activation_bytes, s_, p, "activation_bytes")
     residue = None if weight_grad_bytes is None else per_piece(weight_grad_bytes, s_, p, "weight_grad_bytes")
     activations = peak_activation_bytes(s_, lists, piece_bytes, residue)
@@ -160,11 +163,13 @@ def schedule_memory(
     clock = s_.clock(p)
     out = []
     for r in range(p):
-        groups = clock.update_groups(r)  # (wpipe: each chunk, half the rank's weights, its own versions)
-        versions = sum(c.versions * len(chunks) for chunks, c in groups) / s_.chunks
-        weight_copies = versions + (1 if fsdp and versions > 1 else 0)  # (FSDP: the parameters' shards beside them)
+        versions = clock.rank(r).versions if not s_.update_per_chunk else None
+        if versions is None:  # (wpipe: each chunk its own versions of its own weights)
+            kept = sum(c.versions * piece_params[s_.piece(r, chunks[0], p)] for chunks, c in clock.update_groups(r))
+        else:
+            kept = (versions + (1 if fsdp and versions > 1 else 0)) * params[r]  # (FSDP: the parameters' shards too)
         row = {
-            "weights": int(weight_copies * params[r]) // (data_parallel_size if fsdp else 1), "gradients": grads[r],
+            "weights": int(kept) // (data_parallel_size if fsdp else 1), "gradients": grads[r],
             "optimizer": opt[r] // share,
             "correction": correction_buffers * params[r] // share, "activations": int(round(activations[r])),
             "inflight_microbatches": inflight[r],

@@ -60,6 +60,7 @@ class UpdateGroup:
     params: list[torch.Tensor]
     versions: WeightVersions
     updates: UpdatePipeline
+    shards: OptimizerShards | None = None  # the sharded optimizer's share of ``params`` and their transfers
 
 
 class PipelineRuntime:
@@ -172,12 +173,8 @@ class PipelineRuntime:
         """The rank's update groups (the clock's ``update_groups``): each with its parameters (a slice of
         ``self.params``: the chunks' parameters come in chunk order), weight versions and update pipeline."""
         clock_groups = self.clock.update_groups(g.stage)
-        if len(clock_groups) > 1 and (fsdp or shard_optimizer):
-            raise ValueError(
-                f"Schedule {self.spec.name!r} updates each chunk of a rank on its own; the sharded optimizer and FSDP "
-                "do not support per-chunk updates yet. Use shard_optimizer=False and fsdp=False, or schedule='2bw'."
-            )
-        shards = self._make_shards() if shard_optimizer else None
+        if len(clock_groups) > 1 and fsdp:  # (refused before any group by fsdp.check_fsdp_applicable)
+            raise ValueError(f"fsdp=True: schedule {self.spec.name!r} updates each chunk of a rank on its own.")
         defers = self.clock.defers_reductions(g.stage)
         out, named, delays = [], dict(self.module.named_parameters()), {}
         for chunks, clock in clock_groups:
@@ -186,20 +183,28 @@ class PipelineRuntime:
             params = [named[n] for n in names]
             delays.update({p: clock.delay for p in params})
             versions = WeightVersions(params, clock, fsdp)
+            shards = self._make_shards(params) if shard_optimizer else None  # (a group's own share and transfers)
             tied = [names.index(n) for n in tied_parameters if n in names]
             updates = UpdatePipeline(
                 self.optimizer, versions, g, self.device, clip, correction, tied, count_tied_in_norm,
                 wait_tied_sum=self.is_first, defer_reductions=defers, shards=shards, hooks=self.hooks,
             )
-            out.append(UpdateGroup(tuple(chunks), params, versions, updates))
+            out.append(UpdateGroup(tuple(chunks), params, versions, updates, shards))
         if correction is not None:  # (a k-step correction needs each parameter's delay; 2BW's is the default 1)
             correction.set_delays(delays)
         if [p for group in out for p in group.params] != self.params:
             raise AssertionError("the update groups must cover the rank's parameters in order, each once")
-        self.shards = shards
         return out
 
-    def _make_shards(self) -> OptimizerShards:
+    @property
+    def owned(self) -> list[bool] | None:
+        """Under the sharded optimizer: per parameter (in ``params``' order), whether this replica updates it and keeps
+        its optimizer state and correction buffers (``None``: not sharded)."""
+        if self.update_groups[0].shards is None:
+            return None
+        return [mine for group in self.update_groups for mine in group.shards.owned]
+
+    def _make_shards(self, params: Sequence[torch.Tensor]) -> OptimizerShards:
         g = self.groups
         if g.data_parallel_size < 2 or g.weight_gather is None:
             raise ValueError(
@@ -207,7 +212,7 @@ class PipelineRuntime:
                 f"{g.data_parallel_size} replica. Add replicas (processes = stages x replicas, data_parallel_size > 1) "
                 "or set shard_optimizer=False."
             )
-        return OptimizerShards(self.params, g.replica, g.data_parallel_size, g.weight_gather,
+        return OptimizerShards(params, g.replica, g.data_parallel_size, g.weight_gather,
                                lambda replica: g.mesh.rank_of(g.stage, replica))
 
     @property
@@ -478,9 +483,9 @@ class PipelineRuntime:
     def optimizer_share(self, optimizer_state: dict) -> dict:
         """``optimizer_state`` (an ``optimizer.state_dict()``, possibly merged from every replica's share) reduced to
         the parameters this replica updates under the sharded optimizer (unchanged without sharding)."""
-        if self.shards is None:
+        if self.owned is None:
             return optimizer_state
-        owned = {id(p) for p, mine in zip(self.params, self.shards.owned) if mine}
+        owned = {id(p) for p, mine in zip(self.params, self.owned) if mine}
         order = [p for group in self.optimizer.param_groups for p in group["params"]]
         state = {i: v for i, v in optimizer_state["state"].items() if id(order[int(i)]) in owned}
         return {**optimizer_state, "state": state}
@@ -495,8 +500,9 @@ class PipelineRuntime:
             for group, saved in zip(self.update_groups, state["update_groups"]):
                 group.versions.load_state_dict(saved)
         saved = state.get("correction", state.get("error_feedback"))  # (the key of checkpoints before 0.2)
-        if self.shards is not None and saved is not None:  # keep this replica's share of the buffers
-            saved = {k: [b if mine else None for b, mine in zip(v, self.shards.owned)] if isinstance(v, list) else v
+        owned = self.owned
+        if owned is not None and saved is not None:  # keep this replica's share of the buffers
+            saved = {k: [b if mine else None for b, mine in zip(v, owned)] if isinstance(v, list) else v
                      for k, v in saved.items()}
         if self.correction is not None and saved is not None:
             self.correction.load_state_dict(saved, self.params)

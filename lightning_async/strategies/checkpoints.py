@@ -89,7 +89,7 @@ class PipelineCheckpoints:
             distributed.saved_keys(path), s.lightning_module.state_dict(), s.optimizers[0] if fitting and s.optimizers else None,
             runtime.params if runtime is not None else [], runtime.version_layout() if runtime is not None else 1,
             distributed.parameter_names(s.lightning_module),
-            owned=runtime.shards.owned if runtime is not None and runtime.shards is not None else None,
+            owned=runtime.owned if runtime is not None else None,
             )
         except Exception as err:  # (every rank reports before any reads: none may raise alone and hang the others)
             raise ValueError(f"Checkpoint {path}: {err}" if isinstance(err, ValueError) else
@@ -100,7 +100,7 @@ class PipelineCheckpoints:
     def _shares(self) -> int:
         """How many replicas write a share of each stage's optimizer state (1: replica 0 writes it all)."""
         runtime = self.strategy.runtime
-        return self.strategy.data_parallel_size if runtime is not None and runtime.shards is not None else 1
+        return self.strategy.data_parallel_size if runtime is not None and runtime.owned is not None else 1
 
     def _split(self) -> dict:
         s = self.strategy

@@ -281,8 +281,10 @@ def test_the_map_under_fsdp_leaves_out_the_split_backward(tmp_path, capsys):
     rows = {r["dp"]: r for r in json.loads(out.read_text())["rows"]}
     assert "skipped" not in rows[1]["schedules"]["zbh1"]  # one replica: no FSDP, every schedule
     refused = {n for n, e in rows[4]["schedules"].items() if "skipped" in e}
-    assert refused == {"zbh1", "zbv", "2bw-split"} and rows[4]["best_sync"] in ("1f1b", "interleaved")
+    assert refused == {"zbh1", "zbv", "2bw-split", "paci", "wpipe"} and rows[4]["best_sync"] in ("1f1b", "interleaved")
     assert "splits the backward" in rows[4]["schedules"]["zbh1"]["skipped"]
+    assert "updates each chunk of a stage on its own" in rows[4]["schedules"]["wpipe"]["skipped"]
+    assert "in the middle of a call" in rows[4]["schedules"]["paci"]["skipped"]
     assert plan_main(["--compare", "--global-batch", "16", "--data-parallel", "2", "--fsdp", "--shard-optimizer"]) == 2
     assert "--fsdp already shards the optimizer state" in capsys.readouterr().err
 

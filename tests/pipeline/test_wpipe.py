@@ -6,7 +6,7 @@ forwards of the next, so ``g(t) = grad f_t(A(t - 1), B(t))``. The single-device 
 ``DelayedOptimizer(pairing="2bw")`` with the profile's per-parameter delays (what ``DelaySimulation(profile=
 "wpipe", stages=p)`` runs): the first ``p`` of ``2p`` pieces one step stale, the rest current. One spawn of four
 processes runs every scenario: 1 to 4 stages, ``m = p`` (the reference's) and ``m = 2p``, AdamW, Muon and Lion (EF
-where G0 is delayed), 2 stages x 2 replicas, NCCL's matching rules; a drain (evaluation) and a shape change (a drain
+where G0 is delayed), 2 stages x 2 replicas with the sharded optimizer, NCCL's matching rules; a drain (evaluation) and a shape change (a drain
 and a fresh warm-up) mid-run.
 """
 
@@ -56,7 +56,7 @@ RUNS = [
     Run(3, "lion", m=6, ef=1.0, workload=TWELVE_ROWS),
     Run(3, "adamw", m=3, drain_after=(3,), workload=TWELVE_ROWS, transport="nccl-rules"),  # twin of RUNS[2]
     Run(4, "adamw", m=4, drain_after=(2,), workload=DEEP_UNTIED),
-    Run(2, "adamw", m=2, replicas=2, drain_after=(4,)),  # 2 stages x 2 replicas
+    Run(2, "adamw", m=2, replicas=2, drain_after=(4,)),  # 2 stages x 2 replicas, sharded optimizer
     Run(1, "muon", m=2),  # one rank holds both halves: G0 hands over to G1 on the rank
 ]
 
@@ -64,7 +64,7 @@ RUNS = [
 def _run(run: Run):
     return pipeline_run(run.stages, "wpipe", run.optimizer, run.ef, STEPS, None, m=run.m, drain_at=run.drain_after,
                         prepost=False if run.transport == "nccl-rules" else None, workload=run.workload,
-                        transport=run.transport)
+                        shard_optimizer=run.replicas > 1, transport=run.transport)
 
 
 @pytest.fixture(scope="module")
@@ -129,3 +129,10 @@ def test_wpipe_needs_a_multiple_of_the_stages():
     assert spec("wpipe").clock(2).update_groups(0)[0][1].delay == 1
     with pytest.raises(ValueError, match="multiple of the pipeline stages"):
         call_actions("wpipe", 0, 2, 3, 0)
+
+
+def test_fsdp_is_refused_before_any_group():
+    from lightning_async.pipeline.fsdp import check_fsdp_applicable
+
+    with pytest.raises(ValueError, match="updates each chunk of a stage on its own.*shard_optimizer=True"):
+        check_fsdp_applicable(spec("wpipe"), 2)

@@ -3,7 +3,7 @@ and a resume puts each back where the next batches read it.
 
 One spawn of four processes: a 2-stage fit of 8 steps (m = 2, EF on G0) saving every 4 in DCP and in the per-stage files (torch.save)
 format; both resume from step 4 and end on the uninterrupted fit's weights and logged loss; the DCP checkpoint
-resumes on 2 stages x 2 replicas from the saved weights and optimizer state.
+resumes on 2 stages x 2 replicas (the sharded optimizer) from the saved weights and optimizer state.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def _fit(devices: int, checkpoint_format: str = "dcp", **kwargs):
     from lightning_async.strategies import AsyncPipelineStrategy
 
     strategy = AsyncPipelineStrategy(schedule="wpipe", pipeline_parallel_size=2, n_microbatches=2, correction="ef",
-                                     checkpoint_format=checkpoint_format)
+                                     checkpoint_format=checkpoint_format, shard_optimizer=devices > 2)
     start = StartState()
     state, metrics = fit(strategy, devices, callbacks=[start], gradient_clip_val=None, tied=False, **kwargs)
     return state, metrics, start.weights, start.optimizer
