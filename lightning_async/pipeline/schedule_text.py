@@ -12,7 +12,8 @@ Two things torch's notation has no word for:
   batch boundary stays unambiguous (``0F5`` at ``m = 4`` is micro-batch 1 of batch 1); within batch 0 they are
   torch's numbers;
 * the optimizer update of a rank (all its pieces at once) is ``Ub{batch}``: ``Ub0`` is the update after batch 0's
-  last backward. It starts with a letter, so torch's parser refuses it rather than misreading it.
+  last backward. It starts with a letter, so torch's parser refuses it rather than misreading it. Where each chunk
+  updates on its own (``wpipe``), the update names its piece: ``U2b0``.
 
 **The grid** has one row per action index and one column per rank (what a rank runs at its ``k``-th action, not
 at a time: the timing model, :mod:`~lightning_async.pipeline.timeline`, draws that). :func:`grid_at` shows the rows
@@ -40,7 +41,8 @@ ELIDED = "..."
 def action_text(schedule: "str | ScheduleSpec", rank: int, p: int, action: Action) -> str:
     """``action`` of ``rank`` (of ``p`` ranks) in torch's notation: ``1F0``, ``3W5``; an update is ``Ub{batch}``."""
     if action.kind == UPDATE:
-        return f"Ub{action.batch}"
+        s_ = spec(schedule)
+        return f"U{s_.piece(rank, action.chunk, p)}b{action.batch}" if s_.update_per_chunk else f"Ub{action.batch}"
     return f"{spec(schedule).piece(rank, action.chunk, p)}{action.kind}{action.microbatch}"
 
 
