@@ -104,13 +104,14 @@ def correction_of(setting):
 def reference_run(
     optimizer: str, delay: int, ef, steps: int, clip: float | None, microbatches: int = 1, workload: Workload = SMOLLM2,
     autocast: Callable = contextlib.nullcontext, optimizer_kwargs: dict | None = None, profile: str | None = None,
-    stages: int | None = None, refills: tuple[int, ...] = (),
+    stages: int | None = None, refills: tuple[int, ...] = (), replicas: int = 1,
 ) -> dict[str, torch.Tensor]:
     """Single-device run with DelayedOptimizer(pairing='2bw'); returns the newest weights by name.
 
     ``profile`` (with ``stages``): per-unit delays of a delay profile (``"pipedream"``) instead of ``delay`` for all;
     ``"paci"``: PACI's rule (``PaciRule``, ``microbatches`` per batch) instead of a delayed optimizer, its previous
-    version forgotten before the batches in ``refills`` (where the pipeline runs empty: after a drain).
+    version forgotten before the batches in ``refills`` (where the pipeline runs empty: after a drain), over
+    ``replicas`` data-parallel replicas (``microbatches`` is then all of theirs).
 
     ``ef``: the correction (:func:`correction_of`). ``autocast``: the forwards and losses run under it (as the
     pipeline's ``autocast`` option runs them); ``optimizer_kwargs`` go to ``build_optimizer`` (e.g. ``fused=True``).
@@ -127,7 +128,7 @@ def reference_run(
     by_parameter, rule = None, None
     units = [(f"model.{n}", u) for n, u in model.pipeline_units()] if profile is not None else []
     if profile == "paci":
-        rule, contract = PaciRule(units, stages, microbatches), _Contract(w, model)
+        rule, contract = PaciRule(units, stages, microbatches, replicas=replicas), _Contract(w, model)
     elif profile is not None:
         by_parameter = profiles.parameter_delays(units, profiles.unit_delays(units, profile, stages, delay))
     wrapped = DelayedOptimizer(opt, delay=delay, pairing="2bw", correction=correction_of(ef) if delay or profile else None,

@@ -73,8 +73,16 @@ class PaciRule:
     """
 
     def __init__(self, units: Sequence[tuple[str, nn.Module]], stages: int, n_microbatches: int | None = None,
-                 partition: str | Sequence[str] = "uniform") -> None:
+                 partition: str | Sequence[str] = "uniform", replicas: int = 1) -> None:
         self.stages, self.n_microbatches = stages, check_paci(stages, n_microbatches)
+        #: data-parallel replicas of the pipeline: the batch's micro-batches are theirs in turn, ``n / replicas`` each,
+        #: and each replica's first ``p - 1 - s`` read stage ``s``'s previous version
+        self.replicas = replicas
+        if not isinstance(replicas, int) or replicas < 1 or self.n_microbatches % replicas:
+            raise ValueError(f"PACI's rule splits the batch's {self.n_microbatches} micro-batches over the replicas, "
+                             f"but replicas={replicas!r} does not divide them: give n_microbatches = replicas x the "
+                             "micro-batches of one replica.")
+        check_paci(stages, self.n_microbatches // replicas)
         by_name = dict(units)
         self.stage_units = partition_units(units, stages, partition)
         self.pieces = [PieceModule([(name, by_name[name]) for name in names]) for names in self.stage_units]
@@ -133,7 +141,7 @@ class PaciRule:
         ``pipeline_loss``'s scalar extras. ``module`` has the pipeline contract (``pipeline_split_batch``,
         ``pipeline_loss``, optionally ``pipeline_context``). ``stale=False``: every forward on the current weights
         (the synchronous start). Afterwards the current weights are kept as the next batch's previous version."""
-        m, p = self.n_microbatches, self.stages
+        m, p, per_replica = self.n_microbatches, self.stages, self.n_microbatches // self.replicas
         inputs, targets = module.pipeline_split_batch(batch)
         size = rows(inputs)
         if size % m or rows(targets) != size:
@@ -149,7 +157,7 @@ class PaciRule:
             context = context_fn(x) if callable(context_fn) else NO_CONTEXT
             value = x
             for s, piece in enumerate(self.pieces):
-                if versions is not None and reads_previous(s, j, p):
+                if versions is not None and reads_previous(s, j % per_replica, p):
                     value = self._stale_forward(s, value, context, versions)
                 else:
                     value = piece(value, context)

@@ -132,10 +132,10 @@ def lower(spec: ScheduleSpec, rank: int, num_stages: int, actions: tuple[Action,
     for a in actions:
         if a.kind == UPDATE:
             raw.append(dict(kind=BEGIN_UPDATE, batch=a.batch, microbatch=a.microbatch, chunk=a.chunk))
-            if clocks[a.chunk].applies_at_once and not defers:  # (per-chunk updates: in the middle of a call, so
-                # the sharded optimizer's weights from the other replicas are waited for at once, before the next read)
+            if clocks[a.chunk].applies_at_once and not defers:  # (wpipe's and paci's land in the middle of a call,
+                # so the sharded optimizer's weights from the other replicas are waited for at once, before a read)
                 raw.append(dict(kind=APPLY_UPDATE, batch=a.batch, microbatch=a.microbatch, chunk=a.chunk,
-                                barrier=spec.update_per_chunk))
+                                barrier=spec.update_per_chunk or not spec.stash))
             continue
         if a.kind not in COMPUTE:
             raise ValueError(f"unknown action kind {a.kind!r} in {a!r}")

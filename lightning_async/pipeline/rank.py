@@ -138,12 +138,6 @@ def build(
             "batch b's gradient before the first stage has computed its own). Turn clipping off "
             "(gradient_clip_val=None) or use schedule='2bw', whose stages share one delay."
         )
-    if not plan.spec.stash and (fsdp or runtime_options.get("shard_optimizer")):
-        raise ValueError(
-            f"Schedule {plan.spec.name!r} updates its one weight version in the middle of a call; the sharded optimizer "
-            "and FSDP, which move each update's weights between replicas before the next batch reads them, do not "
-            "support that yet. Use shard_optimizer=False and fsdp=False, or schedule='2bw'."
-        )
     mesh = plan.mesh
     check_message_order(plan.spec, mesh.pipeline_parallel_size, plan.n_microbatches, runtime_options.get("transport", "auto"))
     if fsdp:

@@ -5,13 +5,14 @@ after's first ``p - 1 - s`` forwards (which ran before it) read the previous ver
 the stage at the updated weights. The reference is ``PaciRule`` on one device (what ``DelaySimulation(profile=
 "paci")`` runs), its previous version forgotten where the pipeline ran empty (after an evaluation's drain and the
 shape change of batch ``SHRUNK_BATCH``). One spawn of four processes runs 2, 3 and 4 stages, AdamW, Muon and Lion,
-with and without clipping (the last stage then waits for the first one's norm), tied embeddings, and NCCL's matching
-rules.
+with and without clipping (the last stage then waits for the first one's norm), tied embeddings, NCCL's matching
+rules, and 2 stages x 2 replicas with the sharded optimizer (each replica's first micro-batches read the previous
+version: ``PaciRule(replicas=2)``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from operator import attrgetter
 
 import pytest
@@ -37,6 +38,12 @@ class Run:
     clip: float | None = None
     drain_after: tuple[int, ...] = ()
     transport: str = "auto"
+    replicas: int = 1
+    m: int = M
+
+    @property
+    def world(self) -> int:
+        return self.stages * self.replicas
 
 
 RUNS = [
@@ -45,42 +52,47 @@ RUNS = [
     Run(3, "adamw", clip=1.0, drain_after=(2,)),
     Run(4, "lion", clip=0.5),
     Run(3, "adamw", clip=1.0, drain_after=(2,), transport="nccl-rules"),  # twin of RUNS[2]
+    Run(2, "adamw", clip=1.0, drain_after=(3,), replicas=2, m=2),  # 2 stages x 2 replicas, the sharded optimizer
 ]
 
 
 def _run(run: Run):
-    return pipeline_run(run.stages, "paci", run.optimizer, 0.0, STEPS, run.clip, m=M, drain_at=run.drain_after,
-                        prepost=False if run.transport == "nccl-rules" else None, transport=run.transport)
+    return pipeline_run(run.stages, "paci", run.optimizer, 0.0, STEPS, run.clip, m=run.m, drain_at=run.drain_after,
+                        prepost=False if run.transport == "nccl-rules" else None, transport=run.transport,
+                        shard_optimizer=run.replicas > 1)
 
 
 @pytest.fixture(scope="module")
 def results():
-    return spawn(4, each_in_its_world, _run, RUNS, attrgetter("stages"))
+    return spawn(4, each_in_its_world, _run, RUNS, attrgetter("world"))
 
 
-def _merged(results, index: int) -> dict[str, torch.Tensor]:
-    return merged_weights(results, index, RUNS[index].stages)
+def _merged(results, index: int, replica: int = 0) -> dict[str, torch.Tensor]:
+    return merged_weights(results, index, RUNS[index].stages, replica)
 
 
 def _reference(run: Run, profile: str | None = "paci") -> dict[str, torch.Tensor]:
     shape_changes = tuple(b for b in (SHRUNK_BATCH, SHRUNK_BATCH + 1) if b < STEPS)  # (each drains the pipeline)
     refills = tuple(b + 1 for b in run.drain_after) + shape_changes
-    return reference_run(run.optimizer, 0, 0.0, STEPS, run.clip, microbatches=M, profile=profile, stages=run.stages,
-                         refills=refills)
+    return reference_run(run.optimizer, 0, 0.0, STEPS, run.clip, microbatches=run.m * run.replicas, profile=profile,
+                         stages=run.stages, refills=refills, replicas=run.replicas)
 
 
 def test_paci_follows_its_single_device_rule(results):
     for index, run in enumerate(RUNS):
         reference = _reference(run)
-        weights = _merged(results, index)
-        assert set(weights) <= set(reference) and len(weights) >= len(reference) - 1  # (a tied head may appear once)
-        assert worst_difference(weights, reference) < TOLERANCE, f"{run}: {worst_difference(weights, reference)}"
+        for replica in range(run.replicas):
+            weights = _merged(results, index, replica)
+            assert set(weights) <= set(reference) and len(weights) >= len(reference) - 1  # (a tied head: once)
+            assert worst_difference(weights, reference) < TOLERANCE, f"{run}, replica {replica}"
 
 
 def test_negative_control_synchronous_training_is_another_rule(results):
     """Every forward on the current weights (1F1B with a flush) differs: the stale forwards are seen."""
-    for index in (0, 2):
+    for index in (0, 2, 5):
         assert worst_difference(_merged(results, index), _reference(RUNS[index], profile=None)) > 1e-4
+    # over replicas, each replica's first micro-batches are stale, not only the batch's first ones
+    assert worst_difference(_merged(results, 5), _reference(replace(RUNS[5], replicas=1))) > 1e-4
 
 
 def test_nccl_rules_train_to_the_same_bits(results):
@@ -89,7 +101,7 @@ def test_nccl_rules_train_to_the_same_bits(results):
 
 def test_one_weight_version_and_the_same_losses_everywhere(results):
     for index, run in enumerate(RUNS):
-        per_rank = [results[rank][index] for rank in range(run.stages)]
+        per_rank = [results[rank][index] for rank in range(run.world)]
         assert all(r[4]["weight_versions"] == r[4]["parameters"] for r in per_rank)
         losses = [r[1] for r in per_rank]
         assert all(x == losses[0] for x in losses)
@@ -103,7 +115,7 @@ def test_the_clock_names_the_stale_forwards():
     assert [clock.forward_reads(0, 5, j) for j in range(4)] == [4, 4, 4, 5] and clock.rank(0).updates_read(5) == 5
 
 
-def test_corrections_few_microbatches_and_sharding_are_refused():
+def test_corrections_and_few_microbatches_are_refused():
     from lightning_async.optim import build_correction
     from lightning_async.optim.corrections import check_applicable
 
