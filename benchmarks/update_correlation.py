@@ -18,12 +18,12 @@ optimizer), then reports, averaged over the second half of the run and over all 
 
 from __future__ import annotations
 
-import statistics
 import sys
 
 import torch
 
 import _bench
+from lightning_async.callbacks.update_correlation import RecordedUpdates, UpdateSeries
 from lightning_async.data import TextDataModule
 from lightning_async.models import SmolLM2, model_config
 from lightning_async.models.objective import next_token_loss, split_next_token
@@ -42,10 +42,6 @@ SETTINGS = {
 }
 
 
-def flat(tensors) -> torch.Tensor:
-    return torch.cat([t.reshape(-1).double() for t in tensors])
-
-
 def measure(name: str, batches: list[torch.Tensor], vocab: int) -> dict:
     torch.manual_seed(0)
     model = SmolLM2(model_config("nano", vocab_size=vocab))
@@ -53,26 +49,18 @@ def measure(name: str, batches: list[torch.Tensor], vocab: int) -> dict:
     inner = build_optimizer(name, model.named_parameters(), lr=lr, weight_decay=wd, **kwargs)
     schedule = torch.optim.lr_scheduler.LambdaLR(inner, lambda s: warmup_cosine(s, len(batches), 0.1, 0.1))
     delayed = DelayedOptimizer(inner, delay=1, pairing="2bw")
-    params = [p for g in inner.param_groups for p in g["params"]]
-    before, updates = [], []
-    inner.register_step_pre_hook(lambda *_: before.__setitem__(slice(None), [p.detach().clone() for p in params]))
-    inner.register_step_post_hook(lambda *_: updates.append(flat(b - p.detach() for b, p in zip(before, params))))
-    for batch in batches:
+    series, step = UpdateSeries(), 0
+    RecordedUpdates(inner, lambda update: series.add(update) if step >= max(len(batches) // 2 - 2, 0) else None)
+    for step, batch in enumerate(batches):
         inputs, targets = split_next_token(batch)
         next_token_loss(model(inputs), targets).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         delayed.step()
         delayed.zero_grad()
         schedule.step()
-    rows = []
-    for t in range(max(len(updates) // 2, 2), len(updates)):
-        u, u1, u2 = updates[t], updates[t - 1], updates[t - 2]
-        d, d1 = u - u1, u1 - u2
-        rows.append(dict(
-            corr=float(d @ d1 / (d.norm() * d1.norm())), size=float(d.norm() / u.norm()),
-            cos=float(u @ u1 / (u.norm() * u1.norm())), lam=float(d @ d1 / (d1 @ d1)),
-        ))
-    return {k: statistics.fmean(r[k] for r in rows) for k in rows[0]}
+    means = series.means()
+    return {"corr": means["diff_correlation"], "size": means["diff_size"], "cos": means["cosine"],
+            "lam": means["lambda_star"]}
 
 
 def main(argv: list[str] | None = None) -> int:
