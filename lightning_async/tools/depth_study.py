@@ -125,12 +125,14 @@ class Comparison:
         return Interval(self.low, self.high, LEVEL, len(self.seed_ids))
 
 
-def collect(root: Path) -> tuple[dict[tuple[str, str, str], dict[int, Curve]], int]:
-    """Finished runs' validation curves by ``(optimizer, profile, mode)`` and seed, and how many were unfinished."""
+def collect(root: Path, pattern: re.Pattern = STUDY_FOLDER) -> tuple[dict[tuple[str, str, str], dict[int, Curve]], int]:
+    """Finished runs' validation curves by ``(optimizer, profile, mode)`` and seed, and how many were unfinished, from
+    the study folders under ``root`` whose name ``pattern`` matches (its group ``profile`` names the delay profile;
+    the sync runs are in the ``2bw`` folder)."""
     runs: dict[tuple[str, str, str], dict[int, Curve]] = defaultdict(dict)
     unfinished = 0
-    for folder in sorted(p for p in root.iterdir() if p.is_dir() and STUDY_FOLDER.match(p.name)):
-        profile = STUDY_FOLDER.match(folder.name)["profile"]
+    for folder in sorted(p for p in root.iterdir() if p.is_dir() and pattern.match(p.name)):
+        profile = pattern.match(folder.name)["profile"]
         for run in sorted(p for p in (folder / "runs").glob("*") if p.is_dir()):
             name = RUN_NAME.match(run.name)
             if name is None:
@@ -372,16 +374,18 @@ def format_comparisons(found: list[Comparison]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Print the findings of the depth studies under a folder and/or of recorded rows (0), or an ``error:`` line (2)."""
-    parser = argparse.ArgumentParser(prog="python -m lightning_async.tools.depth_study", description=__doc__.split("::")[0])
-    parser.add_argument("root", nargs="?", help="the folder holding the evidence-depth-* study folders (e.g. studies)")
+def main(argv: list[str] | None = None, *, pattern: re.Pattern = STUDY_FOLDER, folders: str = "evidence-depth-*",
+         prog: str = "python -m lightning_async.tools.depth_study", description: str = __doc__) -> int:
+    """Print the findings of the studies under a folder (those named like ``folders``, matched by ``pattern``) and/or
+    of recorded rows (0), or an ``error:`` line (2). The family study's findings reuse it with their own folders."""
+    parser = argparse.ArgumentParser(prog=prog, description=description.split("::")[0])
+    parser.add_argument("root", nargs="?", help=f"the folder holding the {folders} study folders (e.g. studies)")
     parser.add_argument("--rows", help="recorded rows to merge with the runs found (a findings file, e.g. "
                                        "lightning_async/tools/depth_findings.json)")
     parser.add_argument("--json", help="write the findings (every seed's row, the summaries, the comparisons) here")
     args = parser.parse_args(argv)
     if args.root is None and args.rows is None:
-        print("error: give the folder holding the evidence-depth-* studies (e.g. studies), --rows FILE, or both",
+        print(f"error: give the folder holding the {folders} studies (e.g. studies), --rows FILE, or both",
               file=sys.stderr)
         return 2
     recorded, new, unfinished = [], [], 0
@@ -394,14 +398,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.root is not None:
         root = Path(args.root)
         if not root.is_dir():
-            print(f"error: {root} is not a folder; give the one holding the evidence-depth-* studies (e.g. studies)",
+            print(f"error: {root} is not a folder; give the one holding the {folders} studies (e.g. studies)",
                   file=sys.stderr)
             return 2
-        runs, unfinished = collect(root)
+        runs, unfinished = collect(root, pattern)
         new = seed_rows(runs, source=str(root))
     rows, replaced = merge_rows(recorded, new)
     if not rows:
-        print(f"error: no finished depth-study runs with a sync run under {args.root}", file=sys.stderr)
+        print(f"error: no finished {folders} runs with a sync run under {args.root}", file=sys.stderr)
         return 2
     print(format_rows(summarize(rows)))
     print("\npaired differences between configurations (seeds in common, 95% t interval):\n")

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from lightning_async.pipeline.measure import measure_model
 from lightning_async.tools.depth_advice import depth_advice_lines
+from lightning_async.tools.family_advice import family_advice
 from lightning_async.tools.plan_table import compare, fmt_bytes, fmt_time, format_compare_table, map_footnote
 from lightning_async.tools.stage_costs import (
     NOMINAL_DTYPE,
@@ -242,6 +243,7 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
         print(f"skipped p={s['p']}: {s['reason']}")
     print(map_footnote(args.weight_fraction))
     print("convergence under staleness (measured only):\n" + depth_advice_lines(stages))
+    print("quality by schedule, optimizer and correction (measured only):\n" + family_advice())
     if args.json_path:
         payload = {
             "argv": list(argv) if argv is not None else sys.argv[1:],

@@ -29,6 +29,7 @@ from lightning_async.identity import EF, KNOWN_CORRECTIONS
 from lightning_async.optim.corrections import CORRECTIONS, FORWARD
 from lightning_async.recipes_index import RecipeNotFound, resolve_config
 from lightning_async.tools.depth_advice import depth_advice, optimizer_advice
+from lightning_async.tools.family_advice import family_advice
 from lightning_async.tools.study import Runner, Study, StudyError, find_recipes_dir, parse_set, run_study
 from lightning_async.tools.study.parsing import add_jobs_argument, check_jobs
 from lightning_async.tools.study.spec import CATEGORY_MODES
@@ -305,7 +306,8 @@ def probe_main(argv: list[str] | None = None, *, runner: Runner | None = None) -
         prefix = f"{row.label}: " if len(report.rows) > 1 else ""
         lines += [prefix + v.text, confidence_statement(v)]
     recommendations = recommend(report.rows)
-    for optimizer in dict.fromkeys(row.optimizer for row in report.rows):
+    optimizers = list(dict.fromkeys(row.optimizer for row in report.rows))
+    for optimizer in optimizers:
         prefix = f"{optimizer}: " if len(recommendations) > 1 else ""
         lines.append(prefix + recommendation(recommendations.get(optimizer)))
     if args.stages is not None:
@@ -313,6 +315,7 @@ def probe_main(argv: list[str] | None = None, *, runner: Runner | None = None) -
         across = optimizer_advice(args.stages) if args.stages > 1 else None
         if across is not None:
             lines.append("Depth: " + across)
+    lines += ["Schedules: " + line for line in family_advice(optimizers).splitlines()]
     text = "\n".join(lines)
     print("\n" + text)
     (study.compare_dir / "verdict.md").write_text("# Probe verdict\n\n" + text.replace("\n", "\n\n") + "\n")
