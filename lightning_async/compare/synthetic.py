@@ -44,12 +44,14 @@ def write_fake_run(
     hparams_yaml: bool = True,
     extra_hparams: Mapping[str, Any] | None = None,
     done: bool | Mapping[str, Any] = True,
+    scalars: Mapping[str, Mapping[int, float]] | None = None,
 ) -> Path:
     """Create ``run_dir`` with an event file (``train/loss``, ``val/loss``, ``train/tokens``,
     ``val/loss_by_tokens``), an ``hparams.yaml`` with the identity, and a ``DONE`` marker.
 
     The identity arguments are those of :class:`lightning_async.identity.RunIdentity` (``ef_strength=1`` alone
-    means the ``ef`` correction; ``correction="nesterov"`` another one, of strength 1 unless given).
+    means the ``ef`` correction; ``correction="nesterov"`` another one, of strength 1 unless given). ``scalars``: more
+    series to write, ``{tag: {step: value}}`` (e.g. ``update/cosine``).
     """
     from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
@@ -68,6 +70,9 @@ def write_fake_run(
     for step, value in val:
         writer.add_event(_scalar_event("val/loss", value, step, wall))
         writer.add_event(_scalar_event("val/loss_by_tokens", value, step * tokens_per_step, wall))
+    for tag, series in (scalars or {}).items():
+        for step, value in sorted(series.items()):
+            writer.add_event(_scalar_event(tag, value, step, wall))
     writer.flush()
     writer.close()
     hparams = {**identity.as_record(), **dict(extra_hparams or {})}

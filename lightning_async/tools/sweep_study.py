@@ -1,0 +1,238 @@
+"""Tables of the family study's sweeps (docs/results.md, C8 momentum and C9 batch size): for each setting, the sync
+and 2BW final validation losses, the gap paired by seed with its 95% t interval, the update statistics the runs
+measured (:class:`~lightning_async.callbacks.UpdateCorrelation`, where they did), the paired difference of the gap
+between neighbouring settings, and a least-squares fit of the gap on each statistic::
+
+    python -m lightning_async.tools.sweep_study momentum studies
+    python -m lightning_async.tools.sweep_study batch studies
+
+``momentum`` reads the study folders ``momentum-<optimizer>-<value>`` (``recipes/study/momentum/*.yaml``: AdamW's
+beta1, Muon's momentum); ``batch`` reads ``batch-<model>-<batch size>`` (``recipes/study/batch/*.yaml``) and, for
+``nano`` at batch 16, ``family-2bw`` (the same runs). Runs are named ``<optimizer>-<sync|delayed>-lr<lr>-s<seed>``
+and count once they have a ``DONE`` file. A fit pools every seed of every setting of an optimizer (each seed's gap
+against the statistic its 2BW run measured); its slope's interval has ``N - 2`` degrees of freedom.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import statistics
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lightning_async.callbacks.update_correlation import STATISTICS
+from lightning_async.compare.events import read_scalars
+from lightning_async.compare.statistics import LEVEL, Interval, critical_t, mean_interval, paired_differences
+from lightning_async.identity import DONE_FILE
+from lightning_async.tools.depth_study import RUN_NAME
+
+MODES = ("sync", "delayed")
+MOMENTUM_FOLDER = re.compile(r"^momentum-(?P<optimizer>[a-z]+)-(?P<value>[0-9.]+)$")
+BATCH_FOLDER = re.compile(r"^batch-(?P<model>[a-z]+)-(?P<value>\d+)$")
+#: ``nano`` at batch 16 is the family study's 2BW folder (the paper regime's batch)
+BATCH_ALIASES = {("nano", 16): "family-2bw"}
+STATISTIC_LABELS = {"cosine": "cos(u_t, u_t-1)", "diff_correlation": "corr(d_t, d_t-1)", "lambda_star": "lambda*",
+                    "diff_size": "|d| / |u|"}
+
+
+@dataclass
+class Setting:
+    """One optimizer at one value of the swept quantity: final losses and update statistics by mode and seed."""
+
+    group: str  # what else is fixed (the model of a batch sweep; "" for momentum)
+    optimizer: str
+    value: float
+    final: dict[str, dict[int, float]] = field(default_factory=lambda: {m: {} for m in MODES})
+    stats: dict[str, dict[str, dict[int, float]]] = field(default_factory=lambda: {m: {} for m in MODES})
+
+    def gaps(self, relative: bool = False) -> dict[int, float]:
+        """Each seed's 2BW final loss minus its sync run's (in % of the sync loss when ``relative``)."""
+        sync, delayed = self.final["sync"], self.final["delayed"]
+        return {s: (delayed[s] - sync[s]) * (100.0 / sync[s] if relative else 1.0) for s in sorted(set(sync) & set(delayed))}
+
+    def statistic(self, name: str, mode: str = "delayed") -> dict[int, float]:
+        return self.stats[mode].get(name, {})
+
+
+def read_folder(folder: Path, setting: Setting) -> None:
+    """Add the finished sync and 2BW runs of ``setting.optimizer`` under ``folder/runs`` to ``setting``."""
+    for run in sorted((folder / "runs").glob("*")):
+        name = RUN_NAME.match(run.name)
+        if name is None or name["optimizer"] != setting.optimizer or name["mode"] not in MODES:
+            continue
+        if not (run / DONE_FILE).exists():
+            continue
+        scalars = read_scalars(run)
+        if not scalars.get("val/loss"):
+            continue
+        seed, mode = int(name["seed"]), name["mode"]
+        setting.final[mode][seed] = scalars["val/loss"][-1][1]
+        for key in STATISTICS:
+            if scalars.get(f"update/{key}"):
+                setting.stats[mode].setdefault(key, {})[seed] = scalars[f"update/{key}"][-1][1]
+
+
+def _optimizers(folder: Path) -> list[str]:
+    names = {RUN_NAME.match(p.name) for p in (folder / "runs").glob("*")}
+    return sorted({n["optimizer"] for n in names if n is not None})
+
+
+def momentum_settings(root: Path) -> list[Setting]:
+    """Every ``momentum-<optimizer>-<value>`` folder under ``root`` as a :class:`Setting`."""
+    found = []
+    for folder in sorted(p for p in root.iterdir() if MOMENTUM_FOLDER.match(p.name)):
+        match = MOMENTUM_FOLDER.match(folder.name)
+        setting = Setting("", match["optimizer"], float(match["value"]))
+        read_folder(folder, setting)
+        found.append(setting)
+    return sorted(found, key=lambda s: (s.optimizer, s.value))
+
+
+def batch_settings(root: Path) -> list[Setting]:
+    """Every ``batch-<model>-<batch>`` folder under ``root`` (and :data:`BATCH_ALIASES`), one :class:`Setting` per
+    optimizer found in it."""
+    folders = {(m["model"], int(m["value"])): p for p in root.iterdir() if (m := BATCH_FOLDER.match(p.name))}
+    swept = {}  # model -> the optimizers its own batch folders hold (an alias folder may hold more)
+    for (model, _), folder in folders.items():
+        swept.setdefault(model, set()).update(_optimizers(folder))
+    for key, alias in BATCH_ALIASES.items():
+        if (root / alias).is_dir() and key[0] in swept:
+            folders.setdefault(key, root / alias)
+    found = []
+    for (model, batch), folder in folders.items():
+        for optimizer in sorted(swept[model] & set(_optimizers(folder))):
+            setting = Setting(model, optimizer, float(batch))
+            read_folder(folder, setting)
+            found.append(setting)
+    return sorted(found, key=lambda s: (s.group, s.optimizer, s.value))
+
+
+@dataclass(frozen=True)
+class Fit:
+    """Least squares ``y = intercept + slope x`` over ``n`` points, the slope's t interval and R^2."""
+
+    slope: float
+    intercept: float
+    interval: Interval
+    r_squared: float
+    n: int
+
+
+def least_squares(xs: Sequence[float], ys: Sequence[float], level: float = LEVEL) -> Fit | None:
+    """The fit of ``ys`` on ``xs`` (None with fewer than three points or no spread in ``xs``)."""
+    n = len(xs)
+    if n < 3:
+        return None
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx == 0:
+        return None
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    intercept = my - slope * mx
+    residual = sum((y - intercept - slope * x) ** 2 for x, y in zip(xs, ys))
+    total = sum((y - my) ** 2 for y in ys)
+    half = critical_t(n - 1, level) * math.sqrt(residual / (n - 2) / sxx)  # t with n - 2 degrees of freedom
+    return Fit(slope, intercept, Interval(slope - half, slope + half, level, n), 1 - residual / total if total else 0.0, n)
+
+
+def _mean_sd(values: dict[int, float]) -> str:
+    if not values:
+        return "-"
+    sd = f" ± {statistics.stdev(values.values()):.3f}" if len(values) > 1 else ""
+    return f"{statistics.fmean(values.values()):.3f}{sd}"
+
+
+def _interval_text(values: list[float], fmt: str = "{:+.3f}", unit: str = "") -> str:
+    if not values:
+        return "-"
+    interval = mean_interval(values)
+    ci = f" ({fmt.format(interval.low)}{unit} to {fmt.format(interval.high)}{unit})" if interval else ""
+    return f"{fmt.format(statistics.fmean(values))}{unit}{ci}"
+
+
+def format_settings(settings: Sequence[Setting], quantity: str) -> str:
+    """A markdown table: one row per setting, with the update statistics where the runs measured them."""
+    measured = [k for k in STATISTICS if any(s.statistic(k) for s in settings)]
+    head = ["model", "optimizer", quantity, "n", "sync", "2BW", "gap (95% CI)", "relative gap (95% CI)"]
+    head += [f"{STATISTIC_LABELS[k]} 2BW" for k in measured] + (["cos(u_t, u_t-1) sync"] if "cosine" in measured else [])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for s in settings:
+        gaps = s.gaps()
+        cells = [s.group or "nano", s.optimizer, f"{s.value:g}", str(len(gaps)), _mean_sd(s.final["sync"]),
+                 _mean_sd(s.final["delayed"]), _interval_text(list(gaps.values())),
+                 _interval_text(list(s.gaps(relative=True).values()), "{:+.1f}", "%")]
+        cells += [_mean_sd(s.statistic(k)) for k in measured]
+        if "cosine" in measured:
+            cells.append(_mean_sd(s.statistic("cosine", "sync")))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def format_steps(settings: Sequence[Setting], quantity: str) -> str:
+    """The paired difference of the gap between each setting and the next of the same optimizer (and model)."""
+    lines = [f"| model | optimizer | {quantity}: from -> to | n | gap difference (95% CI) |", "|---|---|---|---|---|"]
+    for low, high in zip(settings, settings[1:]):
+        if (low.group, low.optimizer) != (high.group, high.optimizer):
+            continue
+        differences = paired_differences(high.gaps(), low.gaps())
+        lines.append(f"| {low.group or 'nano'} | {low.optimizer} | {low.value:g} -> {high.value:g} | {len(differences)} "
+                     f"| {_interval_text(differences)} |")
+    return "\n".join(lines)
+
+
+def format_fits(settings: Sequence[Setting]) -> str:
+    """Per optimizer and pooled, the fit of each seed's relative gap (%) on each statistic its 2BW run measured."""
+    lines = ["| optimizer | statistic | points | slope: gap % per unit (95% CI) | R^2 |", "|---|---|---|---|---|"]
+    groups = {o: [s for s in settings if s.optimizer == o] for o in dict.fromkeys(s.optimizer for s in settings)}
+    if len(groups) > 1:
+        groups["pooled"] = list(settings)
+    for name, members in groups.items():
+        for key in STATISTICS:
+            xs, ys = [], []
+            for s in members:
+                stat = s.statistic(key)
+                for seed, gap in s.gaps(relative=True).items():
+                    if seed in stat:
+                        xs.append(stat[seed])
+                        ys.append(gap)
+            fit = least_squares(xs, ys)
+            if fit is not None:
+                lines.append(f"| {name} | {STATISTIC_LABELS[key]} | {fit.n} | {fit.slope:+.1f} "
+                             f"({fit.interval.low:+.1f} to {fit.interval.high:+.1f}) | {fit.r_squared:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print a sweep's tables (0), or an ``error:`` line (2)."""
+    parser = argparse.ArgumentParser(prog="python -m lightning_async.tools.sweep_study", description=__doc__.split("::")[0])
+    parser.add_argument("sweep", choices=["momentum", "batch"])
+    parser.add_argument("root", help="the folder holding the study folders (e.g. studies)")
+    args = parser.parse_args(argv)
+    root = Path(args.root)
+    if not root.is_dir():
+        print(f"error: {root} is not a folder; give the one holding the {args.sweep}-* studies (e.g. studies)",
+              file=sys.stderr)
+        return 2
+    settings = momentum_settings(root) if args.sweep == "momentum" else batch_settings(root)
+    settings = [s for s in settings if s.gaps()]
+    if not settings:
+        print(f"error: no finished {args.sweep} study runs with a sync and a 2BW run of one seed under {root}",
+              file=sys.stderr)
+        return 2
+    quantity = "momentum" if args.sweep == "momentum" else "batch"
+    print(format_settings(settings, quantity))
+    print("\nthe gap's change from one setting to the next (paired by seed):\n")
+    print(format_steps(settings, quantity))
+    fits = format_fits(settings)
+    if fits.count("\n") > 1:
+        print("\nleast-squares fit of each seed's relative gap on its 2BW run's update statistic:\n")
+        print(fits)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
