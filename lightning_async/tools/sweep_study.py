@@ -155,15 +155,17 @@ def _interval_text(values: list[float], fmt: str = "{:+.3f}", unit: str = "") ->
 
 
 def format_settings(settings: Sequence[Setting], quantity: str) -> str:
-    """A markdown table: one row per setting, with the update statistics where the runs measured them."""
+    """A markdown table: one row per setting (losses over the seeds with both runs), with the update statistics where
+    the runs measured them."""
     measured = [k for k in STATISTICS if any(s.statistic(k) for s in settings)]
     head = ["model", "optimizer", quantity, "n", "sync", "2BW", "gap (95% CI)", "relative gap (95% CI)"]
     head += [f"{STATISTIC_LABELS[k]} 2BW" for k in measured] + (["cos(u_t, u_t-1) sync"] if "cosine" in measured else [])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in settings:
         gaps = s.gaps()
-        cells = [s.group or "nano", s.optimizer, f"{s.value:g}", str(len(gaps)), _mean_sd(s.final["sync"]),
-                 _mean_sd(s.final["delayed"]), _interval_text(list(gaps.values())),
+        paired = {mode: {seed: s.final[mode][seed] for seed in gaps} for mode in MODES}  # the seeds of the gap
+        cells = [s.group or "nano", s.optimizer, f"{s.value:g}", str(len(gaps)), _mean_sd(paired["sync"]),
+                 _mean_sd(paired["delayed"]), _interval_text(list(gaps.values())),
                  _interval_text(list(s.gaps(relative=True).values()), "{:+.1f}", "%")]
         cells += [_mean_sd(s.statistic(k)) for k in measured]
         if "cosine" in measured:
