@@ -204,7 +204,7 @@ def measured_worker(cfg: dict) -> dict:
         plan, build_optimizer("adamw", stage.named_parameters, lr=1e-3, weight_decay=0.1), split_next_token,
         next_token_loss, correction=None if ef is None else ErrorFeedbackCorrection(ef), autocast=contextlib.nullcontext,
         device=device, context_fn=context_fn, activation_checkpointing=recompute, shard_optimizer=cfg["sharding"] == "zero1",
-        fsdp=cfg["sharding"] == "fsdp",
+        fsdp=cfg["sharding"] == "fsdp", **({"gradient_clip_val": cfg["clip"]} if cfg.get("clip") else {}),
     )
     runtime = built.runtime
     peak = {"inflight": 0, "deferred": 0, "activations": 0, "grads": 0}
@@ -269,7 +269,7 @@ def measured(args, dp: int = 1, sharding: str = "none") -> list[dict]:
     shard = sharding == "zero1"
     for config in args.configs:
         cfg = dict(model=args.model, p=args.p, m=args.m, micro_batch=args.micro_batch, seq_len=args.seq_len,
-                   steps=args.steps, config=config, device=args.device, sharding=sharding)
+                   steps=args.steps, config=config, device=args.device, sharding=sharding, clip=args.clip)
         schedule, ef, recompute = CONFIGS[config]
         if sharding == "fsdp":
             try:
@@ -294,6 +294,7 @@ def measured(args, dp: int = 1, sharding: str = "none") -> list[dict]:
             piece_bytes if spec.chunks > 1 else [r["activation_bytes_per_microbatch"] for r in first],
             correction_buffers=1 if ef else 0, data_parallel_size=dp, shard_optimizer=shard,
             weight_grad_bytes=piece_residue if spec.chunks > 1 else [r["weight_grad_bytes_per_microbatch"] for r in first],
+            tied_weights=spec.uniform_delay, clipping=bool(args.clip),  # (model_units ties where the schedule allows)
         )
         for r in ranks:
             theory = model[r["stage"]] if sharding != "fsdp" else dict.fromkeys(model[r["stage"]])
@@ -341,11 +342,12 @@ def analytic(args) -> list[dict]:
         for p in args.analytic_stages:
             m = 2 * p
             costs = stage_costs_from_measurement(meas, p, optimizer_states=2)
+            reductions = dict(tied_weights=bool(meas.get("tied_params")), clipping=bool(args.clip))
             per = {s: schedule_memory(s, p, m, costs["param_bytes"], costs["optimizer_bytes"], costs["activation_bytes"],
-                                      weight_grad_bytes=costs["weight_grad_bytes"])
+                                      weight_grad_bytes=costs["weight_grad_bytes"], **reductions)
                    for s in ANALYTIC_SCHEDULES}
             ef = schedule_memory("2bw", p, m, costs["param_bytes"], costs["optimizer_bytes"], costs["activation_bytes"],
-                                 correction_buffers=1)
+                                 correction_buffers=1, **reductions)
             for r in range(p):
                 rows.append(dict(
                     model=name, p=p, m=m, stage=r, layers=costs["layers"][r], params=costs["params"][r],
@@ -435,6 +437,9 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--clip", type=float, default=None,
+                        help="clip gradients to this global norm (a reduction across the stages): the measured runs "
+                             "clip, the model and the analytic part count its second gradient buffers")
     _bench.add_device(parser, "cpu", choices=["cpu", "cuda"],
                       help="cuda: nccl, one GPU per stage (not run in this repository's CPU sessions)")
     parser.add_argument("--analytic-models", nargs="*", default=["smollm2-135m", "smollm2-360m"])

@@ -140,6 +140,11 @@ class UpdateClock:
                 raise AssertionError(f"schedule {self.schedule.name!r}: rank {stage} never updates batch {batch}")
         return tuple(offsets)
 
+    def begin_offset(self, stage: int) -> int:
+        """How many calls after its own the update of a batch begins on rank ``stage`` (2BW: 0 on the last stage,
+        1 on the others)."""
+        return self._begin_offsets[stage]
+
     def defers_reductions(self, stage: int) -> bool:
         """Rank ``stage`` begins a batch's update in an earlier call than another rank that joins the update's
         cross-stage reductions (norm, tied weights): it holds them back until its next call (or a drain), so that an

@@ -103,6 +103,28 @@ def inflight_and_versions(schedule: "str | ScheduleSpec", lists: Sequence[Sequen
     return peaks, versions
 
 
+def holds_two_gradients(schedule: "str | ScheduleSpec", num_stages: int, rank: int, tied_weights: bool = False,
+                        clipping: bool = False) -> bool:
+    """Whether ``rank`` holds two gradient buffers at its peak: under a delayed schedule with a weight stash, it takes
+    part in a reduction across stages (global-norm ``clipping``: every rank; ``tied_weights``: the ranks of the first
+    and the last piece, when they differ) and is not the participant that begins a batch's update last (2BW's first
+    stage, whose backwards of a batch end after everyone's). Such a rank's update of batch ``b - 1`` waits for that
+    participant (held back to its next call, or within the call) with its gradients while its backwards of batch
+    ``b`` fill the other slot. PACI applies such an update at the start of its next call, before any backward: one
+    buffer. The last participant's own reduction finishes when it joins, unless the completion is seen only after its
+    next backward began: that depends on timing and is not counted (seen once on the CPU, docs/benchmarks.md)."""
+    s_ = spec(schedule)
+    if not (tied_weights or clipping) or not s_.delayed or not s_.stash or not s_.uniform_delay:
+        return False
+    ends = {s_.holder(0, num_stages)[0], s_.holder(s_.virtual_stages(num_stages) - 1, num_stages)[0]}
+    participants = set(range(num_stages)) if clipping else (ends if len(ends) == 2 else set())
+    if rank not in participants:
+        return False
+    clock = s_.clock(num_stages)
+    last = max(participants, key=lambda r: (clock.begin_offset(r), -r))  # (the first stage's chain of backwards ends last)
+    return rank != last
+
+
 def schedule_memory(
     schedule: "str | ScheduleSpec",
     num_stages: int,
@@ -116,6 +138,8 @@ def schedule_memory(
     shard_optimizer: bool = False,
     weight_grad_bytes: int | Sequence[int] | None = None,
     fsdp: bool = False,
+    tied_weights: bool = False,
+    clipping: bool = False,
 ) -> list[dict[str, int]]:
     """Per rank, the bytes ``schedule`` holds at its peak: weights (one version per ``weight_versions``), one
     gradient accumulator, optimizer state, a correction's parameter-sized buffers (EF: 1), and the activations held
@@ -139,6 +163,12 @@ def schedule_memory(
     weights are ``1/dp`` each, under 2BW three weight shards (the two versions and the parameters FSDP gathers from);
     the gradient stays whole, as FSDP accumulates it unsharded over a batch's micro-batches and reduce-scatters once
     (a unit's gathered weights, transient, are left out).
+
+    ``tied_weights`` (the first and the last piece share a weight) and ``clipping`` (by the global norm) are the
+    reductions across stages: a rank of a delayed schedule with a weight stash that holds them back to its next call
+    (:meth:`~lightning_async.pipeline.clock.UpdateClock.defers_reductions`: 2BW's stages but the first) keeps the
+    pending update's gradients while the next batch's backwards accumulate into the other slot, two gradient buffers
+    (:func:`holds_two_gradients`; measured, docs/benchmarks.md "Memory per stage").
     """
     if (shard_optimizer or fsdp) and data_parallel_size < 2:
         raise ValueError("shard_optimizer and fsdp need data_parallel_size > 1 (the state is split over the replicas).")
@@ -169,7 +199,8 @@ def schedule_memory(
         else:
             kept = (versions + (1 if fsdp and versions > 1 else 0)) * params[r]  # (FSDP: the parameters' shards too)
         row = {
-            "weights": int(kept) // (data_parallel_size if fsdp else 1), "gradients": grads[r],
+            "weights": int(kept) // (data_parallel_size if fsdp else 1),
+            "gradients": grads[r] * (2 if holds_two_gradients(s_, p, r, tied_weights, clipping) else 1),
             "optimizer": opt[r] // share,
             "correction": correction_buffers * params[r] // share, "activations": int(round(activations[r])),
             "inflight_microbatches": inflight[r],

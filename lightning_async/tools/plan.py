@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--fsdp", action="store_true",
                      help="memory with FSDP2 inside each stage (weights, optimizer state and EF at 1/dp); the "
                           "schedules it does not run (split backward) are left out")
+    cmp.add_argument("--clipping", action="store_true",
+                     help="the run clips gradients by their global norm (gradient_clip_val): under 2BW every stage "
+                          "but the first then holds a second gradient buffer (tied weights do so on the last stage)")
     ap.add_argument("--json", dest="json_path", help="write the map and the inputs as JSON")
     return ap
 
@@ -237,7 +240,8 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
 
     rows, skipped = compare(stages, args.microbatches, costs_for_p, comm_s, update_s, args.batches,
                             args.weight_fraction, args.memory_gib, args.worth, args.global_batch,
-                            sorted(set(args.data_parallel)), args.micro_batch_size, args.shard_optimizer, args.fsdp)
+                            sorted(set(args.data_parallel)), args.micro_batch_size, args.shard_optimizer, args.fsdp,
+                            args.clipping)
     print(format_compare_table(rows))
     for s in skipped:
         print(f"skipped p={s['p']}: {s['reason']}")

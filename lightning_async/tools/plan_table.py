@@ -54,11 +54,13 @@ def schedule_costs(s_: schedules.ScheduleSpec, p: int, costs: dict) -> dict:
 
 def compare_row(p: int, m: int, costs: dict, comm_s: float, update_s: float, num_batches: int,
                 weight_fraction: float, budget_bytes: float | None, worth: float, data_parallel: int = 1,
-                shard_optimizer: bool = False, fsdp: bool = False) -> dict:
+                shard_optimizer: bool = False, fsdp: bool = False, clipping: bool = False) -> dict:
     """One row of the map: each schedule's steady per-batch time and peak memory per rank (``data_parallel``
     replicas, the optimizer state sharded over them with ``shard_optimizer``, FSDP inside each stage with ``fsdp``:
     the schedules it refuses are skipped), the best synchronous schedule (that
-    fits ``budget_bytes``), 2BW's speed-up over it and a recommendation."""
+    fits ``budget_bytes``), 2BW's speed-up over it and a recommendation. Memory counts a second gradient buffer where
+    a stage waits on a reduction across stages (tied weights in ``costs``, global-norm ``clipping``):
+    :func:`~lightning_async.pipeline.memory.holds_two_gradients`."""
     row = {"p": p, "m": m, "dp": data_parallel, "schedules": {}}
     sharded = shard_optimizer and data_parallel > 1
     fsdp = fsdp and data_parallel > 1
@@ -78,7 +80,8 @@ def compare_row(p: int, m: int, costs: dict, comm_s: float, update_s: float, num
         if c.get("param_bytes") is not None:
             mem = schedule_memory(s_, p, m, c["param_bytes"], c["optimizer_bytes"], c["activation_bytes"],
                                   data_parallel_size=data_parallel, shard_optimizer=sharded,
-                                  weight_grad_bytes=c.get("weight_grad_bytes"), fsdp=fsdp)
+                                  weight_grad_bytes=c.get("weight_grad_bytes"), fsdp=fsdp,
+                                  tied_weights=bool(costs.get("tied_bytes", {}).get("param_bytes")), clipping=clipping)
             entry["peak_bytes"] = max(x["total"] for x in mem)
             entry["fits"] = budget_bytes is None or entry["peak_bytes"] <= budget_bytes
         row["schedules"][name] = entry
@@ -160,7 +163,7 @@ def microbatches_per_pipeline(global_batch: int, data_parallel: int, micro_batch
 
 
 def compare(stages, multipliers, costs_for_p, comm_s, update_s, num_batches, weight_fraction, memory_gib, worth,
-            global_batch=None, data_parallel=(1,), micro_batch_size=1, shard_optimizer=False, fsdp=False):
+            global_batch=None, data_parallel=(1,), micro_batch_size=1, shard_optimizer=False, fsdp=False, clipping=False):
     """The map's rows (:func:`compare_row` for every ``p`` and ``m = k p``, or with ``global_batch`` for every
     replica count ``dp``: ``m = G / (dp x micro_batch_size)``) and the stage counts (and replica counts) skipped."""
     rows, skipped = [], []
@@ -178,7 +181,8 @@ def compare(stages, multipliers, costs_for_p, comm_s, update_s, num_batches, wei
                 else:
                     shapes.append((m, dp))
         rows += [compare_row(p, m, costs, comm_s, update_s, num_batches, weight_fraction, budget, worth,
-                             data_parallel=dp, shard_optimizer=shard_optimizer, fsdp=fsdp) for m, dp in shapes]
+                             data_parallel=dp, shard_optimizer=shard_optimizer, fsdp=fsdp, clipping=clipping)
+                 for m, dp in shapes]
     return rows, skipped
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from lightning_async.pipeline.schedules import spec
-from lightning_async.pipeline.memory import WEIGHT_GRAD_SHARE, inflight_and_versions, schedule_memory
+from lightning_async.pipeline.memory import WEIGHT_GRAD_SHARE, holds_two_gradients, inflight_and_versions, schedule_memory
 
 GIB = 2**30
 SHAPES = [(2, 2), (2, 4), (3, 3), (4, 4), (4, 8), (4, 16), (8, 8), (8, 24)]
@@ -134,7 +134,9 @@ def _measure(cfg: dict) -> dict:
 def measured_ranks():
     from _pipeline_harness import spawn
 
-    return {config: spawn(2, _measure, dict(MEASURED, config=config), timeout=120.0) for config in ("1f1b", "zbh1")}
+    runs = {config: spawn(2, _measure, dict(MEASURED, config=config), timeout=120.0) for config in ("1f1b", "zbh1")}
+    runs["2bw-clipped"] = spawn(2, _measure, dict(MEASURED, config="2bw", clip=1.0), timeout=120.0)  # (tied weights too)
+    return runs
 
 
 @pytest.mark.slow
@@ -144,6 +146,8 @@ def test_measured_zbh1_peak_agrees_with_the_model(measured_ranks):
     p, m = MEASURED["p"], MEASURED["m"]
     peaks = {}
     for config, ranks in measured_ranks.items():
+        if config not in ("1f1b", "zbh1"):
+            continue
         act = [r["activation_bytes_per_microbatch"] for r in ranks]
         residue = [r["weight_grad_bytes_per_microbatch"] for r in ranks]
         assert [r["peak_activation_bytes"] for r in ranks] == activations(config, p, m, act, residue)
@@ -154,6 +158,32 @@ def test_measured_zbh1_peak_agrees_with_the_model(measured_ranks):
     assert peaks["zbh1"][0] == peaks["1f1b"][0]  # rank 0 runs each W right after its I
     assert peaks["zbh1"][-1] / peaks["1f1b"][-1] == pytest.approx(1 + r / a)
     assert peaks["zbh1"][-1] < 2 * peaks["1f1b"][-1]
+
+
+@pytest.mark.parametrize("schedule, p, tied, clipping, expected", [
+    ("2bw", 2, True, False, [False, True]),  # the last stage waits for the first to sum the tied weight's gradient
+    ("2bw", 3, True, False, [False, False, True]),  # the middle stage takes no part in the tie
+    ("2bw", 3, False, True, [False, True, True]),  # the global norm waits for the first stage on every other
+    ("2bw-split", 4, False, True, [False, True, True, True]),
+    ("2bw", 3, False, False, [False, False, False]),  # nothing to wait for: applied right after the last backward
+    ("paci", 3, True, True, [False, False, False]),  # applied at the start of its next call, before any backward
+    ("1f1b", 3, True, True, [False, False, False]),  # a flush: the next batch starts after the update
+    ("zbv", 2, True, True, [False, False]),
+])
+def test_two_gradient_buffers_where_a_stage_waits_on_a_reduction_across_stages(schedule, p, tied, clipping, expected):
+    assert [holds_two_gradients(schedule, p, r, tied, clipping) for r in range(p)] == expected
+    rows = schedule_memory(schedule, p, 2 * p, 1000, 0, 0, tied_weights=tied, clipping=clipping)
+    assert [row["gradients"] for row in rows] == [2000 if two else 1000 for two in expected]
+
+
+@pytest.mark.slow
+def test_measured_gradient_peak_of_clipped_tied_2bw_agrees_with_the_model(measured_ranks):
+    """`python benchmarks/memory.py --configs 2bw --clip 1.0` in small: the last stage holds the pending update's
+    gradients and the next batch's, two buffers; the first stage one."""
+    ranks = measured_ranks["2bw-clipped"]
+    params = [r["parameters"] for r in ranks]
+    model = schedule_memory("2bw", MEASURED["p"], MEASURED["m"], params, 0, 0, tied_weights=True, clipping=True)
+    assert [r["peak_gradient_bytes"] for r in ranks] == [row["gradients"] for row in model] == [params[0], 2 * params[1]]
 
 
 def test_the_map_places_zbvs_embedding_and_head_on_rank_0():
