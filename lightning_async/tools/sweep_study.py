@@ -10,7 +10,8 @@ between neighbouring settings, and a least-squares fit of the gap on each statis
 beta1, Muon's momentum); ``batch`` reads ``batch-<model>-<batch size>`` (``recipes/study/batch/*.yaml``) and, for
 ``nano`` at batch 16, ``family-2bw`` (the same runs). Runs are named ``<optimizer>-<sync|delayed>-lr<lr>-s<seed>``
 and count once they have a ``DONE`` file. A fit pools every seed of every setting of an optimizer (each seed's gap
-against the statistic its 2BW run measured); its slope's interval has ``N - 2`` degrees of freedom.
+against the statistic its 2BW run measured); its slope's interval has ``N - 2`` degrees of freedom, ``N - k - 1``
+within ``k`` settings.
 """
 
 from __future__ import annotations
@@ -122,20 +123,27 @@ class Fit:
     n: int
 
 
-def least_squares(xs: Sequence[float], ys: Sequence[float], level: float = LEVEL) -> Fit | None:
-    """The fit of ``ys`` on ``xs`` (None with fewer than three points or no spread in ``xs``)."""
+def least_squares(xs: Sequence[float], ys: Sequence[float], level: float = LEVEL, groups: Sequence | None = None) -> Fit | None:
+    """The fit of ``ys`` on ``xs`` (None with too few points or no spread in ``xs``). With ``groups`` (a label per
+    point) the fit is *within* groups: each group's means are taken out first (a fixed effect per group), so the
+    slope says how ``y`` moves with ``x`` inside a group, and the interval loses one degree of freedom per group."""
     n = len(xs)
-    if n < 3:
+    labels = list(groups) if groups is not None else [None] * n
+    mean_of = {g: (statistics.fmean(x for x, h in zip(xs, labels) if h == g),
+                   statistics.fmean(y for y, h in zip(ys, labels) if h == g)) for g in set(labels)}
+    dof = n - len(mean_of) - 1  # residual degrees of freedom: one per group mean, one for the slope
+    if dof < 1:
         return None
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
+    dx = [x - mean_of[g][0] for x, g in zip(xs, labels)]
+    dy = [y - mean_of[g][1] for y, g in zip(ys, labels)]
+    sxx = sum(x * x for x in dx)
     if sxx == 0:
         return None
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
-    intercept = my - slope * mx
-    residual = sum((y - intercept - slope * x) ** 2 for x, y in zip(xs, ys))
-    total = sum((y - my) ** 2 for y in ys)
-    half = critical_t(n - 1, level) * math.sqrt(residual / (n - 2) / sxx)  # t with n - 2 degrees of freedom
+    slope = sum(x * y for x, y in zip(dx, dy)) / sxx
+    residual = sum((y - slope * x) ** 2 for x, y in zip(dx, dy))
+    total = sum(y * y for y in dy)
+    half = critical_t(dof + 1, level) * math.sqrt(residual / dof / sxx)  # (critical_t(k) has k - 1 degrees of freedom)
+    intercept = statistics.fmean(ys) - slope * statistics.fmean(xs)
     return Fit(slope, intercept, Interval(slope - half, slope + half, level, n), 1 - residual / total if total else 0.0, n)
 
 
@@ -175,36 +183,47 @@ def format_settings(settings: Sequence[Setting], quantity: str) -> str:
 
 
 def format_steps(settings: Sequence[Setting], quantity: str) -> str:
-    """The paired difference of the gap between each setting and the next of the same optimizer (and model)."""
+    """The paired difference of the gap between each setting and the next of the same optimizer (and model), and
+    between the first and the last where there are more than two."""
     lines = [f"| model | optimizer | {quantity}: from -> to | n | gap difference (95% CI) |", "|---|---|---|---|---|"]
-    for low, high in zip(settings, settings[1:]):
-        if (low.group, low.optimizer) != (high.group, high.optimizer):
-            continue
-        differences = paired_differences(high.gaps(), low.gaps())
-        lines.append(f"| {low.group or 'nano'} | {low.optimizer} | {low.value:g} -> {high.value:g} | {len(differences)} "
-                     f"| {_interval_text(differences)} |")
+    series: dict[tuple[str, str], list[Setting]] = {}
+    for s in settings:
+        series.setdefault((s.group, s.optimizer), []).append(s)
+    for members in series.values():
+        pairs = list(zip(members, members[1:])) + ([(members[0], members[-1])] if len(members) > 2 else [])
+        for low, high in pairs:
+            differences = paired_differences(high.gaps(), low.gaps())
+            lines.append(f"| {low.group or 'nano'} | {low.optimizer} | {low.value:g} -> {high.value:g} | "
+                         f"{len(differences)} | {_interval_text(differences)} |")
     return "\n".join(lines)
 
 
 def format_fits(settings: Sequence[Setting]) -> str:
-    """Per optimizer and pooled, the fit of each seed's relative gap (%) on each statistic its 2BW run measured."""
-    lines = ["| optimizer | statistic | points | slope: gap % per unit (95% CI) | R^2 |", "|---|---|---|---|---|"]
+    """Per optimizer and pooled, the fit of each seed's relative gap (%) on each statistic its 2BW run measured:
+    across every point, and within settings (each setting's means taken out: does the statistic predict the gap
+    among the seeds of one setting, beyond what the setting itself does?)."""
+    lines = ["| optimizer | statistic | points | slope across settings: gap % per unit (95% CI) | R^2 | "
+             "slope within settings (95% CI) | R^2 within |", "|---|---|---|---|---|---|---|"]
     groups = {o: [s for s in settings if s.optimizer == o] for o in dict.fromkeys(s.optimizer for s in settings)}
     if len(groups) > 1:
         groups["pooled"] = list(settings)
     for name, members in groups.items():
         for key in STATISTICS:
-            xs, ys = [], []
+            xs, ys, labels = [], [], []
             for s in members:
                 stat = s.statistic(key)
                 for seed, gap in s.gaps(relative=True).items():
                     if seed in stat:
                         xs.append(stat[seed])
                         ys.append(gap)
-            fit = least_squares(xs, ys)
-            if fit is not None:
-                lines.append(f"| {name} | {STATISTIC_LABELS[key]} | {fit.n} | {fit.slope:+.1f} "
-                             f"({fit.interval.low:+.1f} to {fit.interval.high:+.1f}) | {fit.r_squared:.2f} |")
+                        labels.append((s.group, s.optimizer, s.value))
+            across, within = least_squares(xs, ys), least_squares(xs, ys, groups=labels)
+            if across is None:
+                continue
+            inside = (f"{within.slope:+.1f} ({within.interval.low:+.1f} to {within.interval.high:+.1f}) | "
+                      f"{within.r_squared:.2f}") if within is not None else "- | -"
+            lines.append(f"| {name} | {STATISTIC_LABELS[key]} | {across.n} | {across.slope:+.1f} "
+                         f"({across.interval.low:+.1f} to {across.interval.high:+.1f}) | {across.r_squared:.2f} | {inside} |")
     return "\n".join(lines)
 
 
@@ -227,11 +246,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     quantity = "momentum" if args.sweep == "momentum" else "batch"
     print(format_settings(settings, quantity))
-    print("\nthe gap's change from one setting to the next (paired by seed):\n")
+    print("\nthe gap's change from one setting to the next, and from the first to the last (paired by seed):\n")
     print(format_steps(settings, quantity))
     fits = format_fits(settings)
     if fits.count("\n") > 1:
-        print("\nleast-squares fit of each seed's relative gap on its 2BW run's update statistic:\n")
+        print("\nleast-squares fit of each seed's relative gap on its 2BW run's update statistic, across settings and "
+              "within them:\n")
         print(fits)
     return 0
 

@@ -29,6 +29,18 @@ def test_least_squares_recovers_a_line_and_its_interval_narrows_with_less_noise(
     assert least_squares([1.0, 1.0, 1.0], [1.0, 2.0, 3.0]) is None and least_squares([1.0, 2.0], [1.0, 2.0]) is None
 
 
+def test_a_fit_within_groups_reads_the_slope_inside_each_group_not_across_them() -> None:
+    """Two settings whose means fall with x (across: negative) while inside each y rises as 5 x (within: +5)."""
+    xs = [0.0, 0.1, 0.2, 0.3, 1.0, 1.1, 1.2, 1.3]
+    groups = ["a"] * 4 + ["b"] * 4
+    noise = [0.01, -0.01, -0.01, 0.01] * 2
+    ys = [5 * x - (20.0 if g == "b" else 0.0) + e for x, g, e in zip(xs, groups, noise)]
+    across, within = least_squares(xs, ys), least_squares(xs, ys, groups=groups)
+    assert across.slope < 0 and across.interval.high < 0
+    assert within.slope == pytest.approx(5.0, abs=0.2) and within.interval.low > 4 and within.r_squared > 0.99
+    assert least_squares([1.0, 2.0, 3.0], [1.0, 2.0, 3.0], groups=["a", "b", "c"]) is None  # no freedom left
+
+
 def test_momentum_settings_pair_by_seed_and_read_the_measured_statistics(tmp_path, capsys) -> None:
     for value, gap, cos in ((0.8, 0.3, 0.80), (0.9, 0.2, 0.85), (0.99, 0.1, 0.95)):
         fake(tmp_path, f"momentum-adamw-{value}", "adamw", "sync", SYNC)
@@ -42,7 +54,7 @@ def test_momentum_settings_pair_by_seed_and_read_the_measured_statistics(tmp_pat
     assert main(["momentum", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "| nano | adamw | 0.8 | 3 | 2.100 ± 0.100 | 2.410 ± 0.110 | +0.310 (" in out
-    assert "| nano | adamw | 0.8 -> 0.9 | 3 | -0.100 (" in out
+    assert "| nano | adamw | 0.8 -> 0.9 | 3 | -0.100 (" in out and "| nano | adamw | 0.8 -> 0.99 | 3 | -0.200 (" in out
     fit_row = next(line for line in out.splitlines() if line.startswith("| adamw | cos(u_t, u_t-1) | 9 |"))
     slope = float(fit_row.split("|")[4].split()[0])
     assert slope < 0  # a larger cosine, a smaller gap
