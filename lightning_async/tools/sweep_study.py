@@ -37,7 +37,7 @@ BATCH_FOLDER = re.compile(r"^batch-(?P<model>[a-z]+)-(?P<value>\d+)$")
 #: ``nano`` at batch 16 is the family study's 2BW folder (the paper regime's batch)
 BATCH_ALIASES = {("nano", 16): "family-2bw"}
 STATISTIC_LABELS = {"cosine": "cos(u_t, u_t-1)", "diff_correlation": "corr(d_t, d_t-1)", "lambda_star": "lambda*",
-                    "diff_size": "|d| / |u|"}
+                    "diff_size": "abs(d) / abs(u)"}
 
 
 @dataclass
