@@ -28,7 +28,7 @@ from pathlib import Path
 from lightning_async.callbacks.update_correlation import STATISTICS
 from lightning_async.compare.events import read_scalars
 from lightning_async.compare.statistics import LEVEL, Interval, critical_t, mean_interval, paired_differences
-from lightning_async.identity import DONE_FILE
+from lightning_async.identity import DIVERGED_FILE, DONE_FILE
 from lightning_async.tools.depth_study import RUN_NAME
 
 MODES = ("sync", "delayed")
@@ -49,6 +49,7 @@ class Setting:
     value: float
     final: dict[str, dict[int, float]] = field(default_factory=lambda: {m: {} for m in MODES})
     stats: dict[str, dict[str, dict[int, float]]] = field(default_factory=lambda: {m: {} for m in MODES})
+    diverged: list[str] = field(default_factory=list)  # run names: no final loss to pair, said under the table
 
     def gaps(self, relative: bool = False) -> dict[int, float]:
         """Each seed's 2BW final loss minus its sync run's (in % of the sync loss when ``relative``)."""
@@ -64,6 +65,9 @@ def read_folder(folder: Path, setting: Setting) -> None:
     for run in sorted((folder / "runs").glob("*")):
         name = RUN_NAME.match(run.name)
         if name is None or name["optimizer"] != setting.optimizer or name["mode"] not in MODES:
+            continue
+        if (run / DIVERGED_FILE).exists():
+            setting.diverged.append(run.name)
             continue
         if not (run / DONE_FILE).exists():
             continue
@@ -246,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     quantity = "momentum" if args.sweep == "momentum" else "batch"
     print(format_settings(settings, quantity))
+    diverged = [f"{s.group or 'nano'} {s.optimizer} {s.value:g}: {name}" for s in settings for name in s.diverged]
+    if diverged:
+        print("\ndiverged (left out of the gaps, not a result to average): " + "; ".join(diverged))
     print("\nthe gap's change from one setting to the next, and from the first to the last (paired by seed):\n")
     print(format_steps(settings, quantity))
     fits = format_fits(settings)

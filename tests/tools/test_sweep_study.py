@@ -47,6 +47,8 @@ def test_momentum_settings_pair_by_seed_and_read_the_measured_statistics(tmp_pat
         fake(tmp_path, f"momentum-adamw-{value}", "adamw", "delayed", {s: v + gap + 0.01 * s for s, v in SYNC.items()},
              cosine={s: cos + 0.001 * s for s in SYNC})
     write_fake_run(tmp_path / "momentum-adamw-0.9" / "runs" / "adamw-delayed-lr0.01-s3", done=False)  # unfinished
+    diverged = write_fake_run(tmp_path / "momentum-adamw-0.99" / "runs" / "adamw-delayed-lr0.01-s4")
+    (diverged / "DIVERGED").write_text("{}")
     settings = momentum_settings(tmp_path)
     assert [s.value for s in settings] == [0.8, 0.9, 0.99]
     assert settings[0].gaps() == pytest.approx({0: 0.3, 1: 0.31, 2: 0.32})
@@ -54,6 +56,7 @@ def test_momentum_settings_pair_by_seed_and_read_the_measured_statistics(tmp_pat
     assert main(["momentum", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "| nano | adamw | 0.8 | 3 | 2.100 ± 0.100 | 2.410 ± 0.110 | +0.310 (" in out
+    assert "diverged (left out of the gaps, not a result to average): nano adamw 0.99: adamw-delayed-lr0.01-s4" in out
     assert "| nano | adamw | 0.8 -> 0.9 | 3 | -0.100 (" in out and "| nano | adamw | 0.8 -> 0.99 | 3 | -0.200 (" in out
     fit_row = next(line for line in out.splitlines() if line.startswith("| adamw | cos(u_t, u_t-1) | 9 |"))
     slope = float(fit_row.split("|")[4].split()[0])
