@@ -138,6 +138,10 @@ class DelaySimulation(Callback):
             stages 1.. begin).
         n_microbatches: micro-batches per batch for ``profile="paci"`` (PACI's rule, docs/delay.md "PACI"; at least
             ``stages - 1``; ``None``: twice the stages, the pipeline's default). Only that profile takes it.
+        replicas: for ``profile="paci"``, the pipeline replicas the rule simulates (``PaciRule(replicas=R)``: the
+            batch's micro-batches are the replicas' in turn, ``n_microbatches / R`` each, and each replica's first
+            ``p - 1 - s`` read stage ``s``'s previous weights), so a run pairs with ``paci_pipe`` over ``R`` replicas
+            (recorded as ``paci-4x2``). Only that profile takes it.
     """
 
     def __init__(
@@ -149,6 +153,7 @@ class DelaySimulation(Callback):
         stages: int | None = None,
         partition: str | list[str] = "uniform",
         n_microbatches: int | None = None,
+        replicas: int = 1,
     ) -> None:
         check_delay(delay)
         if not 0.0 <= start_fraction < 1.0:
@@ -163,13 +168,15 @@ class DelaySimulation(Callback):
         self.delay, self.pairing, self.start_fraction = delay, pairing, start_fraction
         self.profile, self.stages, self.partition = profile, stages, partition
         # ---- profile "paci": PACI's rule replaces the training step, not the optimizer (callbacks/paci_step.py)
-        self.n_microbatches = n_microbatches
+        self.n_microbatches, self.replicas = n_microbatches, replicas
         if self.paci:
-            paci.check_paci(stages, n_microbatches)
-        elif n_microbatches is not None:
-            raise ValueError(f"n_microbatches is the 'paci' profile's setting; the delay profile "
-                             f"{profiles.describe(profile, stages, delay)} stashes whole batches. "
-                             "Remove n_microbatches.")
+            paci.check_replicas(stages, paci.check_paci(stages, n_microbatches), replicas)
+        else:
+            for name, value, default in (("n_microbatches", n_microbatches, None), ("replicas", replicas, 1)):
+                if value != default:
+                    raise ValueError(f"{name} is the 'paci' profile's setting; the delay profile "
+                                     f"{profiles.describe(profile, stages, delay)} stashes whole batches. "
+                                     f"Remove {name}.")
         self._paci: paci.PaciRule | None = None
         # ---- end of profile "paci"
         self._start_step = 0
@@ -196,7 +203,7 @@ class DelaySimulation(Callback):
         return self.profile == paci.PROFILE
 
     def profile_label(self) -> str:
-        return profiles.describe(self.profile, self.stages, self.delay)
+        return profiles.describe(self.profile, self.stages, self.delay, self.replicas)
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if not self.active or stage != "fit":
@@ -212,7 +219,7 @@ class DelaySimulation(Callback):
             self._start_step = int(round(self.start_fraction * trainer.max_steps))
         if self.paci:  # ---- profile "paci"
             paci_step.refuse_unsupported(trainer, _active_corrections(trainer))
-            self._paci = paci_step.build_rule(pl_module, self.stages, self.n_microbatches, self.partition)
+            self._paci = paci_step.build_rule(pl_module, self.stages, self.n_microbatches, self.partition, self.replicas)
             paci_step.install(pl_module, trainer, self._paci, self._start_step)
             return
         self._parameter_delays = self._profile_delays(pl_module)

@@ -17,7 +17,8 @@ from lightning_async.pipeline.paci import PaciRule
 CONTRACT = ("pipeline_units", "pipeline_split_batch", "pipeline_loss")
 
 
-def build_rule(pl_module: LightningModule, stages: int, n_microbatches: int | None, partition) -> PaciRule:
+def build_rule(pl_module: LightningModule, stages: int, n_microbatches: int | None, partition,
+               replicas: int = 1) -> PaciRule:
     """The rule for ``pl_module``'s units, or a ``ValueError`` naming what the module lacks."""
     missing = [name for name in CONTRACT if not callable(getattr(pl_module, name, None))]
     if missing:
@@ -25,7 +26,7 @@ def build_rule(pl_module: LightningModule, stages: int, n_microbatches: int | No
             f"DelaySimulation(profile='paci') runs the model stage by stage, but {type(pl_module).__name__} has no "
             f"{', '.join(missing)}. Define the pipeline contract (docs/models.md) or use another profile."
         )
-    return PaciRule(list(pl_module.pipeline_units()), stages, n_microbatches, partition)
+    return PaciRule(list(pl_module.pipeline_units()), stages, n_microbatches, partition, replicas)
 
 
 def refuse_unsupported(trainer: Trainer, corrections: list) -> None:

@@ -34,7 +34,8 @@ def run_identity(trainer: Trainer, pl_module: LightningModule) -> dict:
     schedule = pipeline_schedule(trainer)
     if schedule is not None:
         mode = MODE_ASYNC_PIPE if schedule.delayed else MODE_SYNC_PIPE
-        delay, profile = schedule.recorded_delay(trainer.strategy.pipeline_parallel_size)
+        delay, profile = schedule.recorded_delay(trainer.strategy.pipeline_parallel_size,
+                                                 getattr(trainer.strategy, "data_parallel_size", 1))
     else:
         mode = MODE_DELAYED if delay else MODE_SYNC
     # what the runtime or the simulation's wrappers apply, however it was set; before fit, what is configured to

@@ -60,6 +60,17 @@ def check_paci(stages, n_microbatches) -> int:
     return m
 
 
+def check_replicas(stages: int, n_microbatches: int, replicas) -> int:
+    """``replicas`` when it splits the batch's ``n_microbatches`` micro-batches evenly, each replica's share still
+    PACI's minimum (``stages - 1``), or a ``ValueError`` naming the fix."""
+    if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1 or n_microbatches % replicas:
+        raise ValueError(f"PACI's rule splits the batch's {n_microbatches} micro-batches over the replicas, "
+                         f"but replicas={replicas!r} does not divide them: give n_microbatches = replicas x the "
+                         "micro-batches of one replica.")
+    check_paci(stages, n_microbatches // replicas)
+    return replicas
+
+
 def reads_previous(stage: int, microbatch: int, stages: int) -> bool:
     """Whether micro-batch ``microbatch``'s forward on ``stage`` reads the previous version ``W_s(b - 1)``."""
     return microbatch < stages - 1 - stage
@@ -77,12 +88,7 @@ class PaciRule:
         self.stages, self.n_microbatches = stages, check_paci(stages, n_microbatches)
         #: data-parallel replicas of the pipeline: the batch's micro-batches are theirs in turn, ``n / replicas`` each,
         #: and each replica's first ``p - 1 - s`` read stage ``s``'s previous version
-        self.replicas = replicas
-        if not isinstance(replicas, int) or replicas < 1 or self.n_microbatches % replicas:
-            raise ValueError(f"PACI's rule splits the batch's {self.n_microbatches} micro-batches over the replicas, "
-                             f"but replicas={replicas!r} does not divide them: give n_microbatches = replicas x the "
-                             "micro-batches of one replica.")
-        check_paci(stages, self.n_microbatches // replicas)
+        self.replicas = check_replicas(stages, self.n_microbatches, replicas)
         by_name = dict(units)
         self.stage_units = partition_units(units, stages, partition)
         self.pieces = [PieceModule([(name, by_name[name]) for name in names]) for names in self.stage_units]

@@ -94,12 +94,13 @@ def parameter_delays(units: Sequence[tuple[str, nn.Module]], by_unit: Mapping[st
     return delays
 
 
-def describe(profile: Profile, stages: int | None, delay: int) -> str:
-    """A short label for a run's record: ``uniform``, ``pipedream-4``, ``[3, 2, 1, 0]`` or ``units``."""
+def describe(profile: Profile, stages: int | None, delay: int, replicas: int = 1) -> str:
+    """A short label for a run's record: ``uniform``, ``pipedream-4``, ``[3, 2, 1, 0]`` or ``units``; PACI over
+    ``replicas`` pipeline replicas (its rule depends on them) ``paci-4x2``."""
     if profile is None or profile == "uniform":
         return "uniform"
     if profile in _STAGED:
-        return f"{profile}-{stages}"
+        return f"{profile}-{stages}" + (f"x{replicas}" if profile == "paci" and replicas > 1 else "")
     if isinstance(profile, str):
         return profile
     if isinstance(profile, Mapping):

@@ -290,13 +290,14 @@ class ScheduleSpec:
             return tuple(profiles.stage_delays(self.delay, num_stages, 1))  # (a profile lists every piece's)
         return (self.delay,) * self.virtual_stages(num_stages)
 
-    def recorded_delay(self, num_stages: int) -> tuple[int, str]:
+    def recorded_delay(self, num_stages: int, replicas: int = 1) -> tuple[int, str]:
         """``(delay, delay_profile)`` for a run's record, as the one-device simulation of the same rule records them
-        (so a pipeline run pairs with it): the largest delay and ``"uniform"``, or ``"pipedream-4"``, ``"paci-4"``."""
+        (so a pipeline run pairs with it): the largest delay and ``"uniform"``, or ``"pipedream-4"``, ``"paci-4"``
+        (``"paci-4x2"`` over 2 replicas: which micro-batches read old weights depends on them)."""
         if self.stash and not isinstance(self.delay, str):
             return self.delay, "uniform"
         profile = self.delay if isinstance(self.delay, str) else self.name
-        return max(max(self.piece_delays(num_stages)), 1), f"{profile}-{num_stages}"
+        return max(max(self.piece_delays(num_stages)), 1), profiles.describe(profile, num_stages, 1, replicas)
 
     def clock(self, num_stages: int) -> UpdateClock:
         """The update clock of this schedule on ``num_stages`` ranks."""

@@ -34,6 +34,7 @@ from lightning_async.pipeline import paci
 from lightning_async.pipeline.paci import PaciRule, check_paci, reads_previous
 from lightning_async.pipeline.partition import partition_units
 from lightning_async.pipeline.profiles import describe, stage_delays, unit_delays
+from lightning_async.pipeline.schedules import spec
 from workload import SHAPE, make_batches
 
 STEPS, BATCH, WIDTH, TOL = 6, 6, 5, 1e-6
@@ -82,10 +83,11 @@ OPTIMIZERS = {
 
 
 def by_hand(stages: int, m: int, optimizer: str, stale: bool = True, backward_at_forward: bool = False,
-            make=Tiny, data=None, schedule=None):
+            make=Tiny, data=None, schedule=None, replicas: int = 1):
     """The rule written out; ``stale=False``: every forward current (synchronous training with micro-batches);
     ``backward_at_forward``: the backward at the forward's version instead (a weight stash, not PACI). ``make()`` is
-    a module with the pipeline contract (a weight shared by two units, tied embeddings, is one weight here)."""
+    a module with the pipeline contract (a weight shared by two units, tied embeddings, is one weight here).
+    ``replicas``: the micro-batches are the replicas' in turn, ``m / replicas`` each, each replica's first read old."""
     model = make()
     units = dict(model.pipeline_units())
     split = partition_units(model.pipeline_units(), stages)
@@ -113,7 +115,7 @@ def by_hand(stages: int, m: int, optimizer: str, stale: bool = True, backward_at
             context = context_fn(xj) if context_fn else None
             received, read, h = [], [], xj
             for s in range(stages):
-                version = previous if stale and j < stages - 1 - s else current
+                version = previous if stale and j % (m // replicas) < stages - 1 - s else current
                 received.append(h)
                 read.append(version)
                 with torch.no_grad():
@@ -331,6 +333,30 @@ def test_fit_through_the_callback_follows_the_hand_written_loop(stages, m):
     assert (callback.max_delay, callback.profile_label()) == (1, f"paci-{stages}")
     sync = dict(fit([DelaySimulation(delay=0)], data).named_parameters())
     assert max((got[n] - sync[n]).abs().max().item() for n in got) > 1e-4
+
+
+@pytest.mark.filterwarnings("ignore:.*does not have many workers")
+def test_the_callback_simulates_paci_over_replicas():
+    """``replicas=2``: each replica's first micro-batches read old weights, as the pipeline over 2 replicas does
+    (``PaciRule(replicas=2)``); it differs from one replica's rule, and it is recorded as ``paci-3x2``."""
+    stages, m, data = 3, 4, make_batches(LM_STEPS)
+    callback = DelaySimulation(profile="paci", stages=stages, n_microbatches=m, replicas=2)
+    got = dict(fit([callback], data).named_parameters())
+
+    def hand(replicas: int) -> float:
+        final = by_hand(stages, m, lambda model: build_optimizer("adamw", model.named_parameters(), lr=LM_LR,
+                                                                  weight_decay=0.1), make=make_lm, data=data,
+                        replicas=replicas,
+                        schedule=lambda opt: torch.optim.lr_scheduler.LambdaLR(
+                            opt, lambda s: warmup_cosine(s, LM_STEPS, 0.1, 0.1)))[-1]
+        return max((got[n] - w).abs().max().item() for n, w in final.items())
+
+    assert hand(2) < 1e-5 and hand(1) > 1e-4
+    assert callback.profile_label() == "paci-3x2" and spec("paci").recorded_delay(3, replicas=2) == (1, "paci-3x2")
+    with pytest.raises(ValueError, match="replicas=3 does not divide them"):
+        DelaySimulation(profile="paci", stages=3, n_microbatches=4, replicas=3)
+    with pytest.raises(ValueError, match="replicas is the 'paci' profile's setting"):
+        DelaySimulation(profile="pipedream", stages=3, replicas=2)
 
 
 @pytest.mark.filterwarnings("ignore:.*does not have many workers")
