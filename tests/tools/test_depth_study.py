@@ -32,7 +32,6 @@ from lightning_async.tools.depth_study import (
     steps_to_reach,
     summarize,
 )
-from lightning_async.tools.plan import plan_main
 
 TOL = 1e-5  # event files hold float32
 SYNC = {0: [(200, 3.0), (400, 2.6), (600, 2.4)], 1: [(200, 3.1), (400, 2.7), (600, 2.5)]}
@@ -278,27 +277,6 @@ def test_shipped_findings_are_the_paired_summaries_of_their_rows() -> None:
     for p in (4, 8):  # k-step EF under PipeDream: the paired difference includes 0
         _, interval = find_comparison(compared, "adamw", (f"pipedream-{p}", "ef"), (f"pipedream-{p}", "none"))
         assert not interval.excludes(0.0)
-
-
-def test_shipped_findings_load_and_plan_prints_them(capsys) -> None:
-    assert plan_main(["--compare", "--forward-ms", "10", "--stages", "4", "--microbatches", "4"]) == 0
-    out = capsys.readouterr().out
-    assert "convergence under staleness (measured only):\np=4 (adamw" in out
-    assert "Established: best minus the runner-up -0.230" in out
-
-
-def test_probe_prints_the_depth_advice(tmp_path, capsys) -> None:
-    from lightning_async.tools.probe import probe_main
-    from lightning_async.tools.study.runner import synthetic_runner
-
-    recipe = tmp_path / "mine.yaml"
-    recipe.write_text("model: {optimizer: adamw}\n")
-    args = ["--config", str(recipe), "--steps", "8", "--output", str(tmp_path / "p")]
-    assert probe_main(args + ["--stages", "8"], runner=synthetic_runner) == 0
-    out = capsys.readouterr().out
-    assert "\nDepth: p=8 (adamw, docs/results.md, Depth, at the lrs tuned on nano): " in out and "n=3, paired by seed" in out
-    assert probe_main(args + ["--stages", "0"], runner=synthetic_runner) == 2
-    assert "--stages must be a positive number of pipeline stages, got 0" in capsys.readouterr().err
 
 
 def test_a_run_worse_than_sync_at_its_first_validation_gives_a_lower_bound(tmp_path, capsys) -> None:

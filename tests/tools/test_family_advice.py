@@ -1,5 +1,5 @@
 """The family study's findings (tools/family_advice, over the depth study's code) on synthetic run folders and
-made-up rows, the shipped findings, and what probe and plan print from them."""
+made-up rows, and the shipped findings (what probe and plan print from them: test_advice_output.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from lightning_async.tools.family_advice import (
     main,
     ranking,
 )
-from lightning_async.tools.plan import plan_main
 
 SYNC = {0: 2.40, 1: 2.50, 2: 2.45}
 
@@ -68,7 +67,7 @@ def test_ranking_tells_apart_only_what_the_paired_interval_excludes() -> None:
     assert "not measured" in family_advice(rows=[])
 
 
-def test_shipped_findings_rank_as_docs_results_c7_says(capsys) -> None:
+def test_shipped_findings_rank_as_docs_results_c7_says() -> None:
     shipped = configurations(load_rows())
     assert {m.optimizer for m in shipped} == {"adamw", "muon", "soap"}
     adamw = [m for m in shipped if m.optimizer == "adamw"]
@@ -76,21 +75,3 @@ def test_shipped_findings_rank_as_docs_results_c7_says(capsys) -> None:
     best, tied, behind = ranking(adamw)
     assert (best.schedule, best.correction) == ("paci-4", "none")  # C7: PACI-4's gap is the smallest for AdamW
     assert ("pipedream-4", "none") in {(m.schedule, m.correction) for m, _ in behind}
-    assert plan_main(["--compare", "--forward-ms", "10", "--stages", "4", "--microbatches", "4"]) == 0
-    out = capsys.readouterr().out
-    assert "quality by schedule, optimizer and correction (measured only):\nschedule x optimizer x correction" in out
-    assert "\nadamw alone: smallest gap adamw + paci-4 + no correction" in out
-
-
-def test_probe_prints_the_family_advice_for_its_optimizer(tmp_path, capsys) -> None:
-    from lightning_async.tools.probe import probe_main
-    from lightning_async.tools.study.runner import synthetic_runner
-
-    recipe = tmp_path / "mine.yaml"
-    recipe.write_text("model: {optimizer: adamw}\n")
-    assert probe_main(["--config", str(recipe), "--steps", "8", "--output", str(tmp_path / "p")],
-                      runner=synthetic_runner) == 0
-    out = capsys.readouterr().out
-    assert "\nSchedules: adamw alone: smallest gap adamw + paci-4 + no correction" in out
-    assert "Schedules: muon alone" not in out  # (only the probed optimizer's own ranking)
-    assert "Schedules: adamw alone" in (tmp_path / "p" / "compare" / "verdict.md").read_text()
