@@ -165,10 +165,10 @@ def schedule_memory(
     (a unit's gathered weights, transient, are left out).
 
     ``tied_weights`` (the first and the last piece share a weight) and ``clipping`` (by the global norm) are the
-    reductions across stages: a rank of a delayed schedule with a weight stash that holds them back to its next call
-    (:meth:`~lightning_async.pipeline.clock.UpdateClock.defers_reductions`: 2BW's stages but the first) keeps the
-    pending update's gradients while the next batch's backwards accumulate into the other slot, two gradient buffers
-    (:func:`holds_two_gradients`; measured, docs/benchmarks.md "Memory per stage").
+    reductions across stages: a rank of a delayed schedule with a weight stash that takes part in one and waits for
+    the participant that begins the update last (2BW: the first stage) keeps the pending update's gradients while the
+    next batch's backwards accumulate into the other slot, two gradient buffers (:func:`holds_two_gradients`;
+    measured, docs/benchmarks.md "Memory per stage").
     """
     if (shard_optimizer or fsdp) and data_parallel_size < 2:
         raise ValueError("shard_optimizer and fsdp need data_parallel_size > 1 (the state is split over the replicas).")
