@@ -8,7 +8,8 @@ each run's final loss; ``>=`` when the sync run was already below it at its firs
 
 It reads the run folders of the depth studies (``recipes/study/evidence/depth-*.yaml``) under the folder given: a
 study folder named ``evidence-depth-2bw`` (sync, 2BW's constant delay) or ``evidence-depth-pipedream-<p>``, runs
-named ``<optimizer>-<mode>-lr<lr>-s<seed>`` with a ``DONE`` file. Unfinished runs are left out and counted.
+named ``<optimizer>-<mode>-lr<lr>-s<seed>`` with a ``DONE`` file. Unfinished runs are left out and counted; diverged
+runs (a ``DIVERGED`` marker) are left out and named.
 
 The findings file keeps every seed: ``rows`` holds one :class:`SeedRow` per delayed run (its gap to the sync run of
 its seed), ``summaries`` and ``comparisons`` what is derived from them. ``--rows FILE`` reads recorded rows (a
@@ -42,7 +43,7 @@ from lightning_async.compare.events import read_scalars
 from lightning_async.compare.render import fmt_interval
 from lightning_async.compare.rows import GAP_TOLERANCE
 from lightning_async.compare.statistics import LEVEL, Interval, mean_interval, paired_differences, ratio_interval
-from lightning_async.identity import DONE_FILE
+from lightning_async.identity import DIVERGED_FILE, DONE_FILE
 
 STUDY_FOLDER = re.compile(r"^evidence-depth-(?P<profile>2bw|pipedream-\d+)$")
 RUN_NAME = re.compile(r"^(?P<optimizer>[a-z0-9_]+)-(?P<mode>sync|delayed(?:-[a-z-]+)?)-lr[^-]+-s(?P<seed>\d+)$")
@@ -125,17 +126,21 @@ class Comparison:
         return Interval(self.low, self.high, LEVEL, len(self.seed_ids))
 
 
-def collect(root: Path, pattern: re.Pattern = STUDY_FOLDER) -> tuple[dict[tuple[str, str, str], dict[int, Curve]], int]:
-    """Finished runs' validation curves by ``(optimizer, profile, mode)`` and seed, and how many were unfinished, from
-    the study folders under ``root`` whose name ``pattern`` matches (its group ``profile`` names the delay profile;
-    the sync runs are in the ``2bw`` folder)."""
+def collect(root: Path, pattern: re.Pattern = STUDY_FOLDER) -> tuple[dict[tuple[str, str, str], dict[int, Curve]], int, list[str]]:
+    """Finished runs' validation curves by ``(optimizer, profile, mode)`` and seed, how many runs were unfinished,
+    and the diverged ones (``<study folder>/<run>``: a ``DIVERGED`` marker; no final loss to pair, so left out of
+    every gap and named instead), from the study folders under ``root`` whose name ``pattern`` matches (its group
+    ``profile`` names the delay profile; the sync runs are in the ``2bw`` folder)."""
     runs: dict[tuple[str, str, str], dict[int, Curve]] = defaultdict(dict)
-    unfinished = 0
+    unfinished, diverged = 0, []
     for folder in sorted(p for p in root.iterdir() if p.is_dir() and pattern.match(p.name)):
         profile = pattern.match(folder.name)["profile"]
         for run in sorted(p for p in (folder / "runs").glob("*") if p.is_dir()):
             name = RUN_NAME.match(run.name)
             if name is None:
+                continue
+            if (run / DIVERGED_FILE).exists():
+                diverged.append(f"{folder.name}/{run.name}")
                 continue
             if not (run / DONE_FILE).exists():
                 unfinished += 1
@@ -143,7 +148,7 @@ def collect(root: Path, pattern: re.Pattern = STUDY_FOLDER) -> tuple[dict[tuple[
             curve = sorted(read_scalars(run).get(VAL_LOSS, []))
             if curve:
                 runs[(name["optimizer"], profile, name["mode"])][int(name["seed"])] = curve
-    return runs, unfinished
+    return runs, unfinished, diverged
 
 
 def steps_to_reach(curve: Curve, loss: float) -> float | None:
@@ -388,7 +393,7 @@ def main(argv: list[str] | None = None, *, pattern: re.Pattern = STUDY_FOLDER, f
         print(f"error: give the folder holding the {folders} studies (e.g. studies), --rows FILE, or both",
               file=sys.stderr)
         return 2
-    recorded, new, unfinished = [], [], 0
+    recorded, new, unfinished, diverged = [], [], 0, []
     if args.rows is not None:
         try:
             recorded = read_rows(Path(args.rows))
@@ -401,11 +406,12 @@ def main(argv: list[str] | None = None, *, pattern: re.Pattern = STUDY_FOLDER, f
             print(f"error: {root} is not a folder; give the one holding the {folders} studies (e.g. studies)",
                   file=sys.stderr)
             return 2
-        runs, unfinished = collect(root, pattern)
+        runs, unfinished, diverged = collect(root, pattern)
         new = seed_rows(runs, source=str(root))
     rows, replaced = merge_rows(recorded, new)
     if not rows:
-        print(f"error: no finished {folders} runs with a sync run under {args.root}", file=sys.stderr)
+        left_out = f" ({len(diverged)} diverged: {', '.join(diverged)})" if diverged else ""
+        print(f"error: no finished {folders} runs with a sync run under {args.root}{left_out}", file=sys.stderr)
         return 2
     print(format_rows(summarize(rows)))
     print("\npaired differences between configurations (seeds in common, 95% t interval):\n")
@@ -417,6 +423,8 @@ def main(argv: list[str] | None = None, *, pattern: re.Pattern = STUDY_FOLDER, f
     print(f"\n{len(rows)} rows: {len(recorded)} recorded ({replaced} replaced by runs found), {len(new)} from runs")
     if unfinished:
         print(f"({unfinished} unfinished run(s) left out)")
+    if diverged:
+        print("diverged (left out of every gap, not a result to average): " + ", ".join(diverged))
     if args.json:
         Path(args.json).write_text(json.dumps(findings(rows), indent=2) + "\n")
     return 0

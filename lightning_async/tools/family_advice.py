@@ -13,10 +13,15 @@ It reads the study folders ``family-2bw`` (sync, 2BW), ``family-wpipe-2``, ``fam
 compared per seed (the same seed fixes the initialisation and the data order for every optimizer), and one is
 "behind" the best only where the 95% t interval of the difference lies above zero; otherwise the two are "not told
 apart". ``probe`` and ``plan --compare`` print :func:`family_advice`.
+
+``--vocabulary bpe`` reads the same study on the BPE-1024 ``nano`` instead (``recipes/study/family/bpe-*.yaml``:
+the folders ``family-bpe-2bw``, ``family-bpe-wpipe-2``, ...), shipped as ``family_findings_bpe.json``; the advice
+adds each optimizer's ranking there, so a team sees whether it holds with a subword vocabulary.
 """
 
 from __future__ import annotations
 
+import argparse
 import re
 import statistics
 import sys
@@ -29,8 +34,13 @@ from lightning_async.tools import depth_study
 from lightning_async.tools.depth_study import SeedRow
 
 FINDINGS = Path(__file__).with_name("family_findings.json")
-FAMILY_FOLDER = re.compile(r"^family-(?P<profile>2bw|(?:wpipe|pipedream|paci)-\d+)$")
+BPE_FINDINGS = Path(__file__).with_name("family_findings_bpe.json")
+_PROFILE = r"(?P<profile>2bw|(?:wpipe|pipedream|paci)-\d+)"
+#: the family study's folders by the vocabulary of its model: byte-level ``nano`` (C7) or the BPE-1024 ``nano``
+FAMILY_FOLDERS = {"byte": re.compile(rf"^family-{_PROFILE}$"), "bpe": re.compile(rf"^family-bpe-{_PROFILE}$")}
+FAMILY_FOLDER = FAMILY_FOLDERS["byte"]
 SOURCE = "docs/results.md C7: nano, 21 tokens per parameter, seeds paired"
+BPE_SOURCE = "C7, 20 tokens per parameter"
 CORRECTION_NAMES = {"none": "no correction", "ef": "EF"}
 
 
@@ -58,7 +68,8 @@ class Measured:
 
 
 def load_rows(path: Path = FINDINGS) -> list[SeedRow]:
-    """The shipped per-seed rows of the family study (an empty list when there are none)."""
+    """The shipped per-seed rows of the family study (``BPE_FINDINGS``: on the BPE-1024 ``nano``; an empty list when
+    there are none)."""
     return depth_study.read_rows(path) if path.is_file() else []
 
 
@@ -106,29 +117,45 @@ def _ranked_text(candidates: Sequence[Measured], listed_behind: int | None = Non
     return text
 
 
-def family_advice(optimizers: Iterable[str] | None = None, rows: Sequence[SeedRow] | None = None) -> str:
+def family_advice(optimizers: Iterable[str] | None = None, rows: Sequence[SeedRow] | None = None,
+                  bpe_rows: Sequence[SeedRow] | None = None) -> str:
     """Lines of advice: across every measured schedule x optimizer x correction, the smallest gap to sync (each
     optimizer's own) and what the paired intervals tell apart from it; then the same for each of ``optimizers``
-    alone (default: every measured one), or that it is not measured."""
-    found = configurations(load_rows() if rows is None else rows)
+    alone (default: every measured one), or that it is not measured; then, for each of them measured on the BPE-1024
+    ``nano`` (``bpe_rows``), its ranking there. Without ``rows``, both come from the shipped findings."""
+    if rows is None:
+        rows, bpe_rows = load_rows(), load_rows(BPE_FINDINGS) if bpe_rows is None else bpe_rows
+    found = configurations(rows)
     if not found:
         return "the asynchronous family's quality is not measured (no findings file)."
     measured = list(dict.fromkeys(m.optimizer for m in sorted(found, key=lambda m: m.optimizer)))
     lines = [f"schedule x optimizer x correction ({SOURCE}; gaps to each optimizer's own sync run): "
              f"{_ranked_text(found, listed_behind=1)}."]
-    for optimizer in measured if optimizers is None else optimizers:
+    asked = measured if optimizers is None else list(optimizers)
+    for optimizer in asked:
         mine = [m for m in found if m.optimizer == optimizer]
         if mine:
             lines.append(f"{optimizer} alone: {_ranked_text(mine)}.")
         else:
             lines.append(f"{optimizer}: not measured in the family study (measured: {', '.join(measured)}).")
+    on_bpe = configurations(bpe_rows or [])
+    for optimizer in asked:
+        mine = [m for m in on_bpe if m.optimizer == optimizer]
+        if mine:
+            lines.append(f"{optimizer} alone on the BPE-1024 nano ({BPE_SOURCE}): {_ranked_text(mine)}.")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Print the family study's findings (the depth study's tables over the ``family-*`` folders)."""
-    return depth_study.main(argv, pattern=FAMILY_FOLDER, folders="family-*",
-                            prog="python -m lightning_async.tools.family_advice", description=__doc__)
+    """Print the family study's findings (the depth study's tables over the ``family-*`` folders, or with
+    ``--vocabulary bpe`` the ``family-bpe-*`` ones)."""
+    chooser = argparse.ArgumentParser(add_help=False)
+    chooser.add_argument("--vocabulary", choices=sorted(FAMILY_FOLDERS), default="byte")
+    chosen, rest = chooser.parse_known_args(argv)
+    folders = "family-*" if chosen.vocabulary == "byte" else f"family-{chosen.vocabulary}-*"
+    return depth_study.main(rest, pattern=FAMILY_FOLDERS[chosen.vocabulary], folders=folders,
+                            prog="python -m lightning_async.tools.family_advice [--vocabulary {byte,bpe}]",
+                            description=__doc__)
 
 
 if __name__ == "__main__":

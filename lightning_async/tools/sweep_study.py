@@ -202,10 +202,12 @@ def format_steps(settings: Sequence[Setting], quantity: str) -> str:
     return "\n".join(lines)
 
 
-def format_fits(settings: Sequence[Setting]) -> str:
-    """Per optimizer and pooled, the fit of each seed's relative gap (%) on each statistic its 2BW run measured:
-    across every point, and within settings (each setting's means taken out: does the statistic predict the gap
-    among the seeds of one setting, beyond what the setting itself does?)."""
+def format_fits(settings: Sequence[Setting], mode: str = "delayed") -> str:
+    """Per optimizer and pooled, the fit of each seed's relative gap (%) on each statistic its ``mode`` run measured
+    (``delayed``: the 2BW run itself; ``sync``: the same seed's sync run, which no delay touched, so a slope there
+    cannot be a consequence of the delay's damage): across every point, and within settings (each setting's means
+    taken out: does the statistic predict the gap among the seeds of one setting, beyond what the setting itself
+    does?)."""
     lines = ["| optimizer | statistic | points | slope across settings: gap % per unit (95% CI) | R^2 | "
              "slope within settings (95% CI) | R^2 within |", "|---|---|---|---|---|---|---|"]
     groups = {o: [s for s in settings if s.optimizer == o] for o in dict.fromkeys(s.optimizer for s in settings)}
@@ -215,7 +217,7 @@ def format_fits(settings: Sequence[Setting]) -> str:
         for key in STATISTICS:
             xs, ys, labels = [], [], []
             for s in members:
-                stat = s.statistic(key)
+                stat = s.statistic(key, mode)
                 for seed, gap in s.gaps(relative=True).items():
                     if seed in stat:
                         xs.append(stat[seed])
@@ -255,11 +257,12 @@ def main(argv: list[str] | None = None) -> int:
         print("\ndiverged (left out of the gaps, not a result to average): " + "; ".join(diverged))
     print("\nthe gap's change from one setting to the next, and from the first to the last (paired by seed):\n")
     print(format_steps(settings, quantity))
-    fits = format_fits(settings)
-    if fits.count("\n") > 1:
-        print("\nleast-squares fit of each seed's relative gap on its 2BW run's update statistic, across settings and "
-              "within them:\n")
-        print(fits)
+    for mode, whose in (("delayed", "its 2BW run's"), ("sync", "its sync run's (no delay: a cause, not a consequence)")):
+        fits = format_fits(settings, mode)
+        if fits.count("\n") > 1:
+            print(f"\nleast-squares fit of each seed's relative gap on {whose} update statistic, across settings and "
+                  "within them:\n")
+            print(fits)
     return 0
 
 

@@ -9,6 +9,7 @@ import re
 
 import pytest
 
+from lightning_async.compare.divergence import Divergence, write_marker
 from lightning_async.compare.synthetic import write_fake_run
 from lightning_async.tools.depth_advice import (
     FINDINGS,
@@ -55,8 +56,11 @@ def test_rows_pair_each_run_with_the_sync_run_of_its_seed(tmp_path) -> None:
     fake_study(tmp_path, "pipedream-8", "delayed", {0: 2.8, 1: 2.9})
     fake_study(tmp_path, "pipedream-8", "delayed-ef", {0: 2.6, 1: 2.7})
     write_fake_run(tmp_path / "evidence-depth-pipedream-8" / "runs" / "adamw-delayed-ef-lr0.01-s2", done=False)
-    runs, unfinished = collect(tmp_path)
-    assert unfinished == 1
+    blown = write_fake_run(tmp_path / "evidence-depth-pipedream-8" / "runs" / "adamw-delayed-lr0.01-s2",
+                           val_loss={200: 3.0, 400: float("nan")})
+    write_marker(blown, Divergence(step=400, metric="val/loss", value=float("nan"), source="guard"))
+    runs, unfinished, diverged = collect(tmp_path)
+    assert unfinished == 1 and diverged == ["evidence-depth-pipedream-8/adamw-delayed-lr0.01-s2"]
     rows = seed_rows(runs, source="here")
     assert [(r.profile, r.correction, r.seed) for r in rows] == [
         ("2bw", "none", 0), ("2bw", "none", 1), ("pipedream-8", "none", 0), ("pipedream-8", "none", 1),

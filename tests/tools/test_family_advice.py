@@ -19,9 +19,10 @@ from lightning_async.tools.family_advice import (
 SYNC = {0: 2.40, 1: 2.50, 2: 2.45}
 
 
-def fake_family(root, schedule: str, mode: str, finals: dict[int, float], optimizer: str = "adamw") -> None:
+def fake_family(root, schedule: str, mode: str, finals: dict[int, float], optimizer: str = "adamw",
+                folder: str = "family") -> None:
     for seed, final in finals.items():
-        write_fake_run(root / f"family-{schedule}" / "runs" / f"{optimizer}-{mode}-lr0.01-s{seed}",
+        write_fake_run(root / f"{folder}-{schedule}" / "runs" / f"{optimizer}-{mode}-lr0.01-s{seed}",
                        val_loss={200: 3.0, 400: final})
 
 
@@ -45,6 +46,21 @@ def test_rows_pair_every_schedule_with_the_sync_run_of_its_seed(tmp_path, capsys
     assert main([str(tmp_path / "nothing")]) == 2 and "family-* studies" in capsys.readouterr().err
 
 
+def test_the_bpe_vocabulary_reads_its_own_folders(tmp_path, capsys) -> None:
+    """``--vocabulary bpe`` pairs the ``family-bpe-*`` runs with the BPE sync runs, never the byte model's."""
+    fake_family(tmp_path, "2bw", "sync", SYNC)
+    fake_family(tmp_path, "paci-4", "delayed", {s: v + 0.30 for s, v in SYNC.items()})
+    fake_family(tmp_path, "2bw", "sync", {s: v + 1.0 for s, v in SYNC.items()}, folder="family-bpe")
+    fake_family(tmp_path, "paci-4", "delayed", {s: v + 1.05 for s, v in SYNC.items()}, folder="family-bpe")
+    out_file = tmp_path / "bpe.json"
+    assert main(["--vocabulary", "bpe", str(tmp_path), "--json", str(out_file)]) == 0
+    gaps = [round(r["gap"], 5) for r in json.loads(out_file.read_text())["rows"]]
+    assert gaps == [0.05] * 3
+    capsys.readouterr()
+    assert main([str(tmp_path / "nothing"), "--vocabulary", "bpe"]) == 2
+    assert "family-bpe-* studies" in capsys.readouterr().err
+
+
 def test_ranking_tells_apart_only_what_the_paired_interval_excludes() -> None:
     found = configurations(
         rows("adamw", "paci-4", "none", [0.020, 0.030, 0.025])
@@ -65,6 +81,11 @@ def test_ranking_tells_apart_only_what_the_paired_interval_excludes() -> None:
     assert "not told apart from it: adamw + 2bw + EF (+0.040)" in adamw and "behind it" in adamw
     assert lion == "lion: not measured in the family study (measured: adamw, muon)."
     assert "not measured" in family_advice(rows=[])
+    bpe = rows("adamw", "2bw", "none", [0.30, 0.31, 0.29]) + rows("adamw", "wpipe-2", "none", [0.10, 0.11, 0.12])
+    with_bpe = family_advice(["adamw", "lion"], rows=rows("adamw", "2bw", "none", [0.2, 0.2, 0.2]), bpe_rows=bpe)
+    assert with_bpe.splitlines()[-1].startswith(
+        "adamw alone on the BPE-1024 nano (C7, 20 tokens per parameter): smallest gap adamw + wpipe-2 + no correction: +0.110")
+    assert "lion alone on the BPE" not in with_bpe  # (not measured there: no line)
 
 
 def test_shipped_findings_rank_as_docs_results_c7_says() -> None:

@@ -43,7 +43,8 @@ def test_a_fit_within_groups_reads_the_slope_inside_each_group_not_across_them()
 
 def test_momentum_settings_pair_by_seed_and_read_the_measured_statistics(tmp_path, capsys) -> None:
     for value, gap, cos in ((0.8, 0.3, 0.80), (0.9, 0.2, 0.85), (0.99, 0.1, 0.95)):
-        fake(tmp_path, f"momentum-adamw-{value}", "adamw", "sync", SYNC)
+        sync_cos = 1.5 - cos  # the sync runs' own statistic falls where the 2BW runs' rises
+        fake(tmp_path, f"momentum-adamw-{value}", "adamw", "sync", SYNC, cosine={s: sync_cos + 0.001 * s for s in SYNC})
         fake(tmp_path, f"momentum-adamw-{value}", "adamw", "delayed", {s: v + gap + 0.01 * s for s, v in SYNC.items()},
              cosine={s: cos + 0.001 * s for s in SYNC})
     write_fake_run(tmp_path / "momentum-adamw-0.9" / "runs" / "adamw-delayed-lr0.01-s3", done=False)  # unfinished
@@ -58,9 +59,10 @@ def test_momentum_settings_pair_by_seed_and_read_the_measured_statistics(tmp_pat
     assert "| nano | adamw | 0.8 | 3 | 2.100 ± 0.100 | 2.410 ± 0.110 | +0.310 (" in out
     assert "diverged (left out of the gaps, not a result to average): nano adamw 0.99: adamw-delayed-lr0.01-s4" in out
     assert "| nano | adamw | 0.8 -> 0.9 | 3 | -0.100 (" in out and "| nano | adamw | 0.8 -> 0.99 | 3 | -0.200 (" in out
-    fit_row = next(line for line in out.splitlines() if line.startswith("| adamw | cos(u_t, u_t-1) | 9 |"))
-    slope = float(fit_row.split("|")[4].split()[0])
-    assert slope < 0  # a larger cosine, a smaller gap
+    on_delayed, on_sync = out.split("its sync run's")
+    slopes = [float(next(line for line in part.splitlines() if line.startswith("| adamw | cos(u_t, u_t-1) | 9 |"))
+                    .split("|")[4].split()[0]) for part in (on_delayed, on_sync)]
+    assert slopes[0] < 0 < slopes[1]  # a larger 2BW cosine, a smaller gap; each fit reads its own runs' statistic
 
 
 def test_batch_settings_take_nano_16_from_the_family_study_for_the_swept_optimizers(tmp_path, capsys) -> None:
