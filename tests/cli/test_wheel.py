@@ -87,6 +87,8 @@ def test_the_wheels_copy_is_imported_and_ships_the_recipes(installed):
         return sorted(p.relative_to(folder) for p in folder.rglob("*.yaml"))
 
     assert yaml_files(package.parent / "recipes") == yaml_files(REPO / "recipes")
+    findings = sorted(p.name for p in (REPO / "lightning_async" / "tools").glob("*.json"))  # probe's and plan's advice
+    assert findings and sorted(p.name for p in (package.parent / "tools").glob("*.json")) == findings
     assert installed.cli.is_file()  # the console script
 
 

@@ -8,6 +8,7 @@ import json
 from lightning_async.compare.synthetic import write_fake_run
 from lightning_async.tools.depth_study import SeedRow, collect, seed_rows
 from lightning_async.tools.family_advice import (
+    BPE_FINDINGS,
     FAMILY_FOLDER,
     configurations,
     family_advice,
@@ -96,3 +97,15 @@ def test_shipped_findings_rank_as_docs_results_c7_says() -> None:
     best, tied, behind = ranking(adamw)
     assert (best.schedule, best.correction) == ("paci-4", "none")  # C7: PACI-4's gap is the smallest for AdamW
     assert ("pipedream-4", "none") in {(m.schedule, m.correction) for m, _ in behind}
+
+
+def test_shipped_bpe_findings_rank_as_docs_results_c7b_says() -> None:
+    shipped = configurations(load_rows(BPE_FINDINGS))
+    assert {m.optimizer for m in shipped} == {"adamw", "muon"} and all(len(m.gaps) == 5 for m in shipped)
+    adamw = [m for m in shipped if m.optimizer == "adamw"]
+    best, tied, behind = ranking(adamw)
+    assert (best.schedule, best.correction) == ("paci-4", "none")
+    assert ("wpipe-2", "none") in {(m.schedule, m.correction) for m in tied}  # unlike on bytes
+    assert {(m.schedule, m.correction) for m, _ in behind} == {("2bw", "none"), ("pipedream-4", "none"),
+                                                               ("pipedream-4", "ef")}
+    assert "adamw alone on the BPE-1024 nano" in family_advice(["adamw"])
