@@ -234,7 +234,21 @@ def measured_worker(cfg: dict) -> dict:
     compute.forward, compute.backward = spied(compute.forward), spied(compute.backward)
     compute.weight_grad = spied(compute.weight_grad)
     t0 = time.perf_counter()
+    # Timing knobs for the tests: the last stage starts each call late (the first stage's reductions then finish
+    # after it reached its next backward), or the first stage begins each update late (the others' then wait for it)
+    late_call = cfg.get("late_last_stage_s", 0.0) if rank % p == p - 1 else 0.0
+    late_update = cfg.get("late_first_update_s", 0.0) if rank % p == 0 else 0.0
+    if late_update:
+        backward = compute.backward
+
+        def late_last_backward(chunk, mb, *args, **kwargs):
+            out = backward(chunk, mb, *args, **kwargs)
+            if mb % cfg["m"] == cfg["m"] - 1:
+                time.sleep(late_update)
+            return out
+        compute.backward = late_last_backward
     for b, batch in enumerate(batches):
+        time.sleep(late_call)
         runtime.train_batch(batch)
         sample()
         if runtime.reported_loss_batch() is not None:

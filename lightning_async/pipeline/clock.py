@@ -152,3 +152,13 @@ class UpdateClock:
         if not self.schedule.uniform_delay:
             return False  # (its stages update a batch in different calls: no cross-stage reduction is allowed)
         return self._begin_offsets[stage] < max(self._begin_offsets)
+
+    def begins_last(self, stage: int) -> bool:
+        """Rank ``stage`` is the one that begins a batch's update last (2BW: the first stage, whose chain of
+        backwards ends after everyone's), so the cross-stage reductions it joins have every other participant in them
+        by its next backward: it applies the update there, before that backward's gradients take the second buffer
+        (the runtime's program, :func:`~lightning_async.pipeline.program.lower`)."""
+        if not (self.schedule.uniform_delay and self.schedule.delayed and self.schedule.stash):
+            return False
+        offsets = self._begin_offsets
+        return stage == max(range(self.num_stages), key=lambda r: (offsets[r], -r))

@@ -91,13 +91,32 @@ def join_default_group(timeout: float | timedelta | None = None, world: int | No
     return True
 
 
+def _join_first_group(world: int, attempts: int = 3) -> None:
+    """:func:`join_default_group`, tried again on every rank where one rank's failed. Gloo's rendezvous has failed
+    on one side only on these loaded machines (rank 1: "connectFullMesh failed ... Connection closed by peer", rank 0
+    joined; docs/pipeline.md, the fault matrix): the ranks tell each other through the run's store whether they
+    joined, and all start a fresh group when one did not."""
+    m = _MEMBERSHIP
+    for attempt in range(1, attempts + 1):
+        error = None
+        try:
+            join_default_group()
+        except RuntimeError as err:
+            error = err
+        m.store.set(f"joined-{m.generation}-{m.rank}", "0" if error else "1")
+        if all(m.store.get(f"joined-{m.generation}-{r}") == b"1" for r in range(world)):
+            return
+        if attempt == attempts:
+            raise error or RuntimeError(f"another rank could not join the process group {attempts} times; see its error.")
+
+
 def _worker(rank: int, world: int, port: int, backend: str, fn: Callable, args: tuple, queue) -> None:
     torch.set_num_threads(1)
     try:
         m = _MEMBERSHIP
         m.rank, m.world, m.backend = rank, world, backend
         m.store = dist.TCPStore(HOST, port, is_master=False)
-        join_default_group()
+        _join_first_group(world)
         buffer = io.BytesIO()
         torch.save(fn(*args), buffer)  # bytes, not shared-memory tensors: the child may exit first
         queue.put((rank, "ok", buffer.getvalue()))

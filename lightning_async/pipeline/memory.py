@@ -111,8 +111,9 @@ def holds_two_gradients(schedule: "str | ScheduleSpec", num_stages: int, rank: i
     stage, whose backwards of a batch end after everyone's). Such a rank's update of batch ``b - 1`` waits for that
     participant (held back to its next call, or within the call) with its gradients while its backwards of batch
     ``b`` fill the other slot. PACI applies such an update at the start of its next call, before any backward: one
-    buffer. The last participant's own reduction finishes when it joins, unless the completion is seen only after its
-    next backward began: that depends on timing and is not counted (seen once on the CPU, docs/benchmarks.md)."""
+    buffer. The last participant applies its update before its next backward (its program's ``APPLY_UPDATE``, by
+    which time every other participant has started the reductions; :func:`~lightning_async.pipeline.program.lower`):
+    one buffer, whatever the timing."""
     s_ = spec(schedule)
     if not (tied_weights or clipping) or not s_.delayed or not s_.stash or not s_.uniform_delay:
         return False
@@ -120,9 +121,7 @@ def holds_two_gradients(schedule: "str | ScheduleSpec", num_stages: int, rank: i
     participants = set(range(num_stages)) if clipping else (ends if len(ends) == 2 else set())
     if rank not in participants:
         return False
-    clock = s_.clock(num_stages)
-    last = max(participants, key=lambda r: (clock.begin_offset(r), -r))  # (the first stage's chain of backwards ends last)
-    return rank != last
+    return not s_.clock(num_stages).begins_last(rank)  # (the first stage: a participant of every reduction)
 
 
 def schedule_memory(

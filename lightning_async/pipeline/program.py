@@ -74,6 +74,7 @@ class Step:
     poll: bool = False  # apply finished updates before this step (2BW: frees their gradients early)
     barrier: bool = False
     send_order: tuple[str, int] | None = None  # NCCL's path: (HOLD, place) or (RELEASE, count); None: send now
+    settle: tuple[int, int] | None = None  # a backward: apply (batch, group)'s update once its input is here
 
     @property
     def action(self) -> Action:
@@ -104,10 +105,11 @@ def _channels(spec: ScheduleSpec, rank: int, num_stages: int, action: Action) ->
 @lru_cache(maxsize=256)
 def _update_clocks(spec: ScheduleSpec, num_stages: int, rank: int):
     """The clocks of ``rank``'s update groups (``spec.clock(num_stages).update_groups(rank)``) and whether the rank
-    holds its reductions back a call (the clock's ``defers_reductions``), built once per schedule, size and rank
+    holds its reductions back a call (the clock's ``defers_reductions``) and whether it begins a batch's update last
+    (``begins_last``), built once per schedule, size and rank
     (:func:`lower` runs per call)."""
     clock = spec.clock(num_stages)
-    return tuple(c for _, c in clock.update_groups(rank)), clock.defers_reductions(rank)
+    return tuple(c for _, c in clock.update_groups(rank)), clock.defers_reductions(rank), clock.begins_last(rank)
 
 
 def lower(spec: ScheduleSpec, rank: int, num_stages: int, actions: tuple[Action, ...] | list[Action],
@@ -124,14 +126,23 @@ def lower(spec: ScheduleSpec, rank: int, num_stages: int, actions: tuple[Action,
     flushing schedule, WPipe's second chunk) and the rank does not hold the update's reductions back to its next call
     (``paci``'s last stage: waiting for them at the end of its call would wait for another rank's next call across
     whatever the step does in between, so the update is applied at the start of its next call, by ``apply_first``,
-    before any forward reads it).
+    before any forward reads it). On the rank that begins a batch's update last (2BW's first stage), the update is
+    applied before the rank's next backward computes (that step's ``settle``): every other participant of its
+    reductions has started them by then (each begins it before its own next backward, which that one's input comes
+    from), so the wait is short and the next batch's gradients never meet the pending ones (one gradient buffer,
+    :func:`~lightning_async.pipeline.memory.holds_two_gradients`, whatever the timing). It is that backward's
+    ``settle``, done after its input arrived: a step of its own between them would split the send before it from the
+    receive it is fused with, which NCCL needs.
     """
-    clocks, defers = _update_clocks(spec, num_stages, rank)
+    clocks, defers, begins_last = _update_clocks(spec, num_stages, rank)
     raw: list[dict] = [dict(kind=START_REDUCTIONS, batch=b, chunk=g) for b, g in start]
     raw += [dict(kind=APPLY_UPDATE, batch=b, chunk=g, barrier=True) for b, g in apply_first]
+    settle: list[tuple[int, int]] = []  # (batch, group) begun here, applied before the next backward (begins_last)
     for a in actions:
         if a.kind == UPDATE:
             raw.append(dict(kind=BEGIN_UPDATE, batch=a.batch, microbatch=a.microbatch, chunk=a.chunk))
+            if begins_last:
+                settle.append((a.batch, a.chunk))
             if clocks[a.chunk].applies_at_once and not defers:  # (wpipe's and paci's land in the middle of a call,
                 # so the sharded optimizer's weights from the other replicas are waited for at once, before a read)
                 raw.append(dict(kind=APPLY_UPDATE, batch=a.batch, microbatch=a.microbatch, chunk=a.chunk,
@@ -142,6 +153,10 @@ def lower(spec: ScheduleSpec, rank: int, num_stages: int, actions: tuple[Action,
         piece, source, remote_in, target, remote_out = _channels(spec, rank, num_stages, a)
         raw.append(dict(kind=a.kind, batch=a.batch, microbatch=a.microbatch, chunk=a.chunk, piece=piece,
                         source=source, remote_input=remote_in, target=target, remote_output=remote_out))
+        if settle and a.kind in GRADIENT_ACTIONS and a.batch > settle[0][0]:
+            if len(settle) > 1:
+                raise AssertionError(f"schedule {spec.name!r}: rank {rank} began {len(settle)} updates between backwards")
+            raw[-1]["settle"] = settle.pop()
     raw += [dict(kind=APPLY_UPDATE, batch=b, chunk=g, barrier=True) for b, g in apply_last]
     receives = [r["source"] if r.get("remote_input") else None for r in raw]
     polls = not all(c.applies_at_once for c in clocks)

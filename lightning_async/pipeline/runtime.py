@@ -322,6 +322,8 @@ class PipelineRuntime:
             else:  # BACKWARD, INPUT_GRAD
                 mb = step.microbatch + mb0
                 grad = None if step.source is None else self._input(step, "grad", mb)
+                if step.settle is not None:  # (the rank that begins updates last: see program.lower)
+                    pipelines[step.settle[1]].apply_if_pending(step.settle[0] + base)
                 preposted = step.prepost is not None and t.prepost(*step.prepost)
                 dx = compute.backward(step.chunk, mb, batch, grad, split=kind == INPUT_GRAD)
                 if step.target is None:

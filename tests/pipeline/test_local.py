@@ -50,3 +50,40 @@ def test_forkserver_workers_start_with_the_preloaded_modules():
 def test_join_default_group_outside_run_local_says_so():
     with pytest.raises(RuntimeError, match="only inside a run_local worker"):
         local.join_default_group()
+
+
+def _one_sided_join_failures(failures: int) -> tuple[int, float] | str:
+    """Rank 1's next ``failures`` joins fail (as gloo's rendezvous once did on one side only) while rank 0's
+    succeed; then ``_join_first_group`` on both. Its generation and a sum over the group it ends in, or the error."""
+    real = local.join_default_group
+    left = [failures if dist.get_rank() == 1 else 0]
+
+    def flaky(*args, **kwargs):
+        joined = real(*args, **kwargs)  # (rank 0's join completes)
+        if left[0]:
+            left[0] -= 1
+            dist.destroy_process_group()
+            raise RuntimeError("Gloo connectFullMesh failed with ... Connection closed by peer")
+        return joined
+
+    local.join_default_group = flaky
+    try:
+        local._join_first_group(2, attempts=3)
+    except RuntimeError as err:
+        return str(err)
+    finally:
+        local.join_default_group = real
+    value = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(value)
+    return local._MEMBERSHIP.generation, float(value)
+
+
+@pytest.mark.slow
+def test_a_rank_that_could_not_join_makes_every_rank_join_again():
+    """CI's gloo rendezvous failed once on rank 1 only ("Connection closed by peer") while rank 0 joined, failing a
+    test before it began; now every rank starts a fresh group, and a third failure is reported on both."""
+    assert local.run_local(2, _one_sided_join_failures, 2, timeout=120) == [(4, 3.0)] * 2  # (generation 1: run_local's)
+    assert local.run_local(2, _one_sided_join_failures, 3, timeout=120) == [
+        "another rank could not join the process group 3 times; see its error.",
+        "Gloo connectFullMesh failed with ... Connection closed by peer",
+    ]

@@ -52,6 +52,28 @@ def test_the_first_and_last_steps_of_a_call_start_held_reductions_and_apply_upda
     assert (program[-1].kind, program[-1].batch, program[-1].barrier) == (APPLY_UPDATE, 3, True)
 
 
+@pytest.mark.parametrize("schedule", ["2bw", "2bw-split"])
+def test_the_rank_that_begins_last_applies_each_update_before_its_next_backward(schedule):
+    """2BW's first stage: its reductions have every other participant in them by its next backward (each began the
+    update before its own next backward, which this one's input comes from), so it applies there, not when a poll
+    happens to see them done; the other ranks keep polling (their update waits for the first stage's)."""
+    s = spec(schedule)
+    for p, m, nb in LAYOUTS:
+        for r in range(p):
+            program = lower(s, r, p, s.run_actions(r, p, m, nb))
+            settled = [(k, x.settle) for k, x in enumerate(program) if x.settle is not None]
+            begun = [x.batch for x in program if x.kind == BEGIN_UPDATE]
+            assert s.clock(p).begins_last(r) == (r == 0)
+            assert [x for x in program if x.kind == APPLY_UPDATE] == []  # (no step between a send and its receive)
+            if r > 0:
+                assert settled == []
+                continue
+            assert [b for _, (b, _) in settled] == begun[:-1]  # (the last batch's: the next call's, or the drain's)
+            for k, (b, group) in settled:
+                assert group == 0 and program[k].kind in ("B", "I") and program[k].batch == b + 1
+                assert all(x.batch <= b for x in program[:k] if x.kind in ("B", "I", "W"))  # (its first backward)
+
+
 def test_an_unknown_action_kind_is_refused():
     from lightning_async.pipeline.schedules import Action
 
