@@ -40,7 +40,7 @@ _PROFILE = r"(?P<profile>2bw|(?:wpipe|pipedream|paci)-\d+)"
 FAMILY_FOLDERS = {"byte": re.compile(rf"^family-{_PROFILE}$"), "bpe": re.compile(rf"^family-bpe-{_PROFILE}$")}
 FAMILY_FOLDER = FAMILY_FOLDERS["byte"]
 SOURCE = "docs/results.md C7: nano, 21 tokens per parameter, seeds paired"
-BPE_SOURCE = "C7, 20 tokens per parameter"
+BPE_SOURCE = "C7b, 20 tokens per parameter"
 CORRECTION_NAMES = {"none": "no correction", "ef": "EF"}
 
 

@@ -85,7 +85,7 @@ def test_ranking_tells_apart_only_what_the_paired_interval_excludes() -> None:
     bpe = rows("adamw", "2bw", "none", [0.30, 0.31, 0.29]) + rows("adamw", "wpipe-2", "none", [0.10, 0.11, 0.12])
     with_bpe = family_advice(["adamw", "lion"], rows=rows("adamw", "2bw", "none", [0.2, 0.2, 0.2]), bpe_rows=bpe)
     assert with_bpe.splitlines()[-1].startswith(
-        "adamw alone on the BPE-1024 nano (C7, 20 tokens per parameter): smallest gap adamw + wpipe-2 + no correction: +0.110")
+        "adamw alone on the BPE-1024 nano (C7b, 20 tokens per parameter): smallest gap adamw + wpipe-2 + no correction: +0.110")
     assert "lion alone on the BPE" not in with_bpe  # (not measured there: no line)
 
 
@@ -101,7 +101,7 @@ def test_shipped_findings_rank_as_docs_results_c7_says() -> None:
 
 def test_shipped_bpe_findings_rank_as_docs_results_c7b_says() -> None:
     shipped = configurations(load_rows(BPE_FINDINGS))
-    assert {m.optimizer for m in shipped} == {"adamw", "muon"} and all(len(m.gaps) == 5 for m in shipped)
+    assert {m.optimizer for m in shipped} == {"adamw", "muon", "soap"} and all(len(m.gaps) == 5 for m in shipped)
     adamw = [m for m in shipped if m.optimizer == "adamw"]
     best, tied, behind = ranking(adamw)
     assert (best.schedule, best.correction) == ("paci-4", "none")
@@ -109,3 +109,5 @@ def test_shipped_bpe_findings_rank_as_docs_results_c7b_says() -> None:
     assert {(m.schedule, m.correction) for m, _ in behind} == {("2bw", "none"), ("pipedream-4", "none"),
                                                                ("pipedream-4", "ef")}
     assert "adamw alone on the BPE-1024 nano" in family_advice(["adamw"])
+    soap = [m for m in shipped if m.optimizer == "soap"]  # C7b: only plain PipeDream-4 is behind
+    assert {(m.schedule, m.correction) for m, _ in ranking(soap)[2]} == {("pipedream-4", "none")}
