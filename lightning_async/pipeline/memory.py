@@ -111,9 +111,9 @@ def holds_two_gradients(schedule: "str | ScheduleSpec", num_stages: int, rank: i
     stage, whose backwards of a batch end after everyone's). Such a rank's update of batch ``b - 1`` waits for that
     participant (held back to its next call, or within the call) with its gradients while its backwards of batch
     ``b`` fill the other slot. PACI applies such an update at the start of its next call, before any backward: one
-    buffer. The last participant applies its update before its next backward (its program's ``APPLY_UPDATE``, by
-    which time every other participant has started the reductions; :func:`~lightning_async.pipeline.program.lower`):
-    one buffer, whatever the timing."""
+    buffer. The last participant applies its update at its next backward (that step's ``settle``, by which time every
+    other participant has started the reductions; :func:`~lightning_async.pipeline.program.lower`): one buffer,
+    whatever the timing."""
     s_ = spec(schedule)
     if not (tied_weights or clipping) or not s_.delayed or not s_.stash or not s_.uniform_delay:
         return False
